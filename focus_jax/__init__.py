@@ -1,0 +1,14 @@
+"""focus_jax: block-diffusion language models (SDAR) on GPUs and TPUs with JAX, made fast by FOCUS
+eviction inside jit-compiled, static-shape decode steps."""
+
+from focus_jax.api import encode_prompt, generate
+from focus_jax.checkpoint import convert, load, save
+from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
+from focus_jax.engine import Engine, RequestError, RequestStats, Result, RunStats
+from focus_jax.model import Model
+
+__all__ = [
+    "ConfigError", "Engine", "GenerationConfig", "Model", "ModelConfig", "RequestError",
+    "RequestStats", "Result", "RunStats", "convert", "encode_prompt", "generate", "load", "save",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,71 @@
+"""The three-line Python API: ``load``, ``GenerationConfig``, ``generate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from focus_jax.config import ConfigError, GenerationConfig
+from focus_jax.engine import Engine, Result, RunStats
+from focus_jax.model import Model
+
+Prompt = str | Sequence[int]
+DEFAULT_MAX_BATCH = 64
+
+
+def encode_prompt(model: Model, prompt: Prompt, chat: bool = True) -> list[int]:
+    """Token ids of a prompt: strings go through the tokenizer (and its chat template, if any)."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ConfigError("this model was loaded without a tokenizer: pass token ids, or load "
+                          "it with tokenizer=True")
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=False)]
+
+
+def generate(model: Model, prompts: Prompt | Sequence[Prompt],
+             config: GenerationConfig | None = None, *, chat: bool = True,
+             progress: bool = False,
+             on_tokens: Callable[[int, list[int]], None] | None = None,
+             return_stats: bool = False) -> list[Result] | tuple[list[Result], RunStats]:
+    """Generate for one prompt or a list of prompts (strings or token-id lists).
+
+    Returns one :class:`Result` per prompt, in order (``.text``, ``.token_ids``, ``.stats``);
+    with ``return_stats`` also the run's :class:`RunStats`. ``on_tokens(index, ids)`` streams
+    each prompt's tokens as its blocks complete.
+    """
+    config = config or GenerationConfig()
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int))
+    batch = [prompts] if single else list(prompts)
+    if not batch:
+        raise ValueError("no prompts given")
+    ids = [encode_prompt(model, p, chat) for p in batch]
+    block = config.block_size or model.config.block_size or 0
+    longest = max(len(p) for p in ids)
+    cache_len = config.max_cache_len
+    if cache_len is None and block:
+        cache_len = -(-(longest + config.max_new_tokens) // block) * block
+    if cache_len is not None and longest + config.max_new_tokens > model.config.max_position_embeddings:
+        raise ConfigError(
+            f"prompt of {longest} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "
+            f"model's max_position_embeddings ({model.config.max_position_embeddings})")
+    slots = config.max_batch or min(len(ids), DEFAULT_MAX_BATCH)
+    engine = Engine(model, config, slots=slots, cache_len=cache_len or 0)
+    rids = [engine.submit(p, on_tokens=_by_index(on_tokens, i)) for i, p in enumerate(ids)]
+    results = engine.run(progress=progress)
+    ordered = [results[rid] for rid in rids]
+    return (ordered, engine.stats) if return_stats else ordered
+
+
+def _by_index(on_tokens: Callable[[int, list[int]], None] | None,
+              index: int) -> Callable[[int, list[int]], None] | None:
+    if on_tokens is None:
+        return None
+    return lambda _rid, new_ids: on_tokens(index, new_ids)

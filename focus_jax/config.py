@@ -1,0 +1,264 @@
+"""Configurations: the model's geometry (read from a Hugging Face ``config.json``) and generation.
+
+Both are frozen dataclasses validated on construction, so a bad value fails at the call that made
+it, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("sdar", "qwen3")
+SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64)
+MODES = ("baseline", "delayed", "focus")
+UNMASKING_RULES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+DEFAULT_THRESHOLD = {"baseline": 0.9, "delayed": 0.9, "focus": 0.8}
+DEFAULT_LADDER = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+
+Mode = Literal["baseline", "delayed", "focus"]
+UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that focus_jax cannot use; the message says what to change."""
+
+
+def _dtype(name: str) -> Any:
+    try:
+        return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[name]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not supported: use 'bfloat16' or 'float32'") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Geometry of a Qwen3-style block-diffusion decoder (SDAR)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    block_size: int | None = None
+    """The block size the model was trained with (None: unknown, any supported size is accepted)."""
+    mask_token_id: int | None = None
+    model_type: str = "sdar"
+    dtype: str = "bfloat16"
+    """Parameter and activation dtype; norms, softmax and logits are always computed in float32."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {self.model_type!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if self.block_size is not None and self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"block_size {self.block_size} is not supported; supported: "
+                              f"{SUPPORTED_BLOCK_SIZES}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                              f"(vocab_size {self.vocab_size})")
+        _dtype(self.dtype)
+
+    @property
+    def jnp_dtype(self) -> Any:
+        return _dtype(self.dtype)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (the LM head counted once when tied)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d
+        layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + self.num_layers * layer + e + head
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], dtype: str | None = None) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` dictionary (``model_type`` ``sdar`` or ``qwen3``)."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [key for key in required if key not in raw]
+        if missing:
+            raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
+        if raw.get("attention_bias"):
+            raise ConfigError("attention_bias=true is not supported (SDAR and Qwen3 use none)")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            block_size=raw.get("block_size"),
+            mask_token_id=raw.get("mask_token_id"),
+            model_type=model_type,
+            dtype=dtype or _hf_dtype(raw),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` dictionary that :meth:`from_hf_dict` reads back."""
+        out: dict[str, Any] = {
+            "model_type": self.model_type,
+            "architectures": ["SDARForCausalLM" if self.model_type == "sdar" else "Qwen3ForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": self.dtype,
+        }
+        if self.block_size is not None:
+            out["block_size"] = self.block_size
+        if self.mask_token_id is not None:
+            out["mask_token_id"] = self.mask_token_id
+        return out
+
+    @classmethod
+    def from_file(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} does not exist: a model folder needs a config.json") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON ({err}); re-download or re-convert "
+                              f"the checkpoint") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object, found {type(raw).__name__}")
+        return cls.from_hf_dict(raw, dtype=dtype)
+
+
+def _hf_dtype(raw: dict[str, Any]) -> str:
+    name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    return name if name in ("bfloat16", "float32") else "bfloat16"
+
+
+# Sizes of the public SDAR chat checkpoints, for benchmarks with random weights built on the device.
+NAMED_GEOMETRIES: dict[str, dict[str, Any]] = {
+    "sdar-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                      num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
+                      block_size=32, mask_token_id=151669),
+    "sdar-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                    num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False,
+                    block_size=32, mask_token_id=151669),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode. ``None`` fields take the model's or the mode's default.
+
+    ``mode``: ``baseline`` (every step runs the whole block), ``delayed`` (delayed KV cache) or
+    ``focus`` (delayed cache + FOCUS eviction). ``threshold`` defaults to 0.9 / 0.9 / 0.8.
+    ``denoising_steps`` sets how many tokens the static and sequential rules unmask per step
+    (``ceil(block_size / denoising_steps)``; default: one per step).
+    """
+
+    mode: Mode = "focus"
+    block_size: int | None = None
+    threshold: float | None = None
+    alpha: float = 1.5
+    unmasking: UnmaskingRule = "low_confidence_dynamic"
+    denoising_steps: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    """None: the tokenizer's EOS (and the model's configured stop ids)."""
+    max_batch: int | None = None
+    """Slots decoded together (None: all prompts at once, up to 64)."""
+    max_cache_len: int | None = None
+    """Cache positions per slot (None: the longest prompt plus max_new_tokens, rounded up)."""
+    bucket_ladder: tuple[float, ...] = DEFAULT_LADDER
+    """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size."""
+    steps_per_round: int = 32
+    """Denoising steps run on the device per host round trip (streaming and progress granularity)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.unmasking not in UNMASKING_RULES:
+            raise ConfigError(f"unmasking {self.unmasking!r} is not one of "
+                              f"{', '.join(UNMASKING_RULES)}")
+        if self.block_size is not None and self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"block_size {self.block_size} is not supported; supported: "
+                              f"{SUPPORTED_BLOCK_SIZES}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ConfigError(f"alpha must be a positive number, got {self.alpha}")
+        if self.denoising_steps is not None and self.denoising_steps < 1:
+            raise ConfigError(f"denoising_steps must be >= 1, got {self.denoising_steps}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.steps_per_round < 1:
+            raise ConfigError(f"steps_per_round must be >= 1, got {self.steps_per_round}")
+        if not self.bucket_ladder or any(not 0.0 < f <= 1.0 for f in self.bucket_ladder):
+            raise ConfigError(f"bucket_ladder must be fractions in (0, 1], got {self.bucket_ladder}")
+        if max(self.bucket_ladder) != 1.0:
+            raise ConfigError("bucket_ladder must end at 1.0 so that every token fits a bucket")
+
+    @property
+    def resolved_threshold(self) -> float:
+        return DEFAULT_THRESHOLD[self.mode] if self.threshold is None else self.threshold
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,339 @@
+"""Block-diffusion decoding on the device: the decode state, prefill and the denoising step.
+
+Everything here is a pure function of pytrees, compiled once per shape. The step
+(SPEC_FOCUS sections 3-6) runs every slot's active block in one call:
+
+1. **processed** tokens (the whole block in ``baseline``; the not-yet-cached slots with the
+   delayed KV cache) are compacted into the smallest bucket that holds them and run through
+   layer 0 and the first half of layer 1 (their KV written in both);
+2. in ``focus`` mode, the change of masked-token importance between layers 0 and 1 selects the
+   **retained** tokens; otherwise every processed token is retained;
+3. retained tokens are compacted again and run through the rest of layer 1, layers ``>= 2`` and
+   the LM head; the unmasking rule decodes some of their masked slots;
+4. slot states, the delayed-cache flags, block statistics, stops and commits are updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from focus_jax import focus
+from focus_jax.cache import KVCache
+from focus_jax.compaction import compact, run_bucketed
+from focus_jax.config import ModelConfig
+from focus_jax.models.qwen3 import Decoder, forward
+from focus_jax.unmasking import Sampler, unmask
+from pallas_kernels.ragged_attention import ragged_attention
+
+MASKED, UNMASKED, CACHED = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """Everything static about a decode program (hashable: a jit static argument)."""
+
+    mode: str
+    block_size: int
+    mask_token_id: int
+    threshold: float
+    alpha: float
+    unmasking: str
+    per_step: int
+    sampler: Sampler
+    ladder: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
+    attention_impl: str | None = None
+
+    @property
+    def delayed_cache(self) -> bool:
+        return self.mode != "baseline"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode state of ``S`` slots with block size ``B`` and ``M`` cache positions per slot."""
+
+    tokens: Int[Array, "s b"]
+    """The active block's tokens (the mask token where still masked)."""
+    slot_state: Int[Array, "s b"]
+    """MASKED, UNMASKED or CACHED per position of the active block."""
+    history: Int[Array, "s"]
+    """Leading positions whose KV is final (a multiple of B); the active block starts there."""
+    progress: Int[Array, "s"]
+    """Rightmost slot of the block with KV in every layer (-1 at block start)."""
+    block_decoded: Int[Array, "s"]
+    """Tokens unmasked so far in the active block."""
+    block_steps: Int[Array, "s"]
+    """Steps of the active block that unmasked at least one token."""
+    live: Bool[Array, "s"]
+    """The slot holds a request that is still decoding."""
+    prompt_len: Int[Array, "s"]
+    max_new: Int[Array, "s"]
+    out_len: Int[Array, "s"]
+    """Generated tokens to return, set when the request finishes."""
+    sequence: Int[Array, "s m"]
+    """Prompt and completed blocks of each slot."""
+    rng: Array
+    cache: KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepLog:
+    """What one step did, per slot, and the buckets it ran in."""
+
+    processed: Int[Array, "s"]
+    retained: Int[Array, "s"]
+    decoded: Int[Array, "s"]
+    live: Bool[Array, "s"]
+    processed_bucket: Int[Array, ""]
+    retained_bucket: Int[Array, ""]
+
+
+def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
+               mask_token_id: int, seed: int = 0) -> DecodeState:
+    """An engine state with every slot free."""
+    if positions % block_size:
+        raise ValueError(f"cache positions {positions} must be a multiple of the block size")
+    def zeros() -> Array:  # a buffer per field: the state is donated, and buffers must not alias
+        return jnp.zeros((slots,), jnp.int32)
+
+    return DecodeState(
+        tokens=jnp.full((slots, block_size), mask_token_id, jnp.int32),
+        slot_state=jnp.zeros((slots, block_size), jnp.int32),
+        history=zeros(), progress=zeros() - 1, block_decoded=zeros(), block_steps=zeros(),
+        live=jnp.zeros((slots,), bool), prompt_len=zeros(), max_new=zeros(), out_len=zeros(),
+        sequence=jnp.full((slots, positions), mask_token_id, jnp.int32),
+        rng=jax.random.key(seed),
+        cache=KVCache.create(cfg, slots, positions),
+    )
+
+
+def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
+            length: Int[Array, "n"], slot: Int[Array, "n"], max_new: Int[Array, "n"],
+            settings: DecodeSettings) -> DecodeState:
+    """Start requests in slots (SPEC 2): write the KV of every full prompt block but the last.
+
+    ``tokens`` are prompts right-padded to a common length (a multiple of B); rows whose ``slot``
+    is out of range are padding and change nothing. The block holding the prompt tail (or a
+    fresh block when the prompt fills its blocks) becomes the active block, its prompt positions
+    ``UNMASKED``.
+    """
+    b, mask = settings.block_size, settings.mask_token_id
+    n, t = tokens.shape
+    history = (length // b) * b
+    _, (k, v) = forward(model, tokens, b)
+    cache = state.cache.write_prefix(slot, history, k, v)
+
+    position = history[:, None] + jnp.arange(b)
+    in_prompt = position < length[:, None]
+    tail = jnp.take_along_axis(tokens, jnp.clip(position, 0, t - 1), axis=1)
+    block = jnp.where(in_prompt, tail, mask)
+    m = state.sequence.shape[1]
+    row = jnp.full((n, m), mask, jnp.int32)
+    row = row.at[:, :t].set(jnp.where(jnp.arange(t) < length[:, None], tokens, mask)[:, :m])
+
+    def put(field: Array, value: Array) -> Array:
+        return field.at[slot].set(value.astype(field.dtype), mode="drop")
+
+    return dataclasses.replace(
+        state,
+        tokens=put(state.tokens, block),
+        slot_state=put(state.slot_state, jnp.where(in_prompt, UNMASKED, MASKED)),
+        history=put(state.history, history),
+        progress=put(state.progress, jnp.full((n,), -1)),
+        block_decoded=put(state.block_decoded, jnp.zeros((n,))),
+        block_steps=put(state.block_steps, jnp.zeros((n,))),
+        live=put(state.live, jnp.ones((n,), bool)),
+        prompt_len=put(state.prompt_len, length),
+        max_new=put(state.max_new, max_new),
+        out_len=put(state.out_len, jnp.zeros((n,))),
+        sequence=put(state.sequence, row),
+        cache=cache,
+    )
+
+
+def _rightmost(flags: Bool[Array, "s b"]) -> Int[Array, "s"]:
+    return jnp.max(jnp.where(flags, jnp.arange(flags.shape[-1]), -1), axis=-1)
+
+
+def _to_blocks(values: Array, rows: Int[Array, "n"], valid: Bool[Array, "n"],
+               flat: int) -> Array:
+    """Scatter compacted rows back to the flat ``[S*B, ...]`` layout (zeros elsewhere)."""
+    out = jnp.zeros((flat, *values.shape[1:]), values.dtype)
+    return out.at[jnp.where(valid, rows, flat)].set(values, mode="drop")
+
+
+def step(model: Decoder, state: DecodeState,
+         settings: DecodeSettings) -> tuple[DecodeState, StepLog]:
+    """One denoising (or commit) step for every live slot."""
+    s, b = state.tokens.shape
+    flat = s * b
+    index = jnp.arange(b)
+    masked = state.slot_state == MASKED
+    decoding = state.live & masked.any(axis=-1)
+    committing = state.live & ~masked.any(axis=-1)
+
+    processed = jnp.broadcast_to(state.live[:, None], (s, b))
+    if settings.delayed_cache:
+        processed = processed & (state.slot_state != CACHED)
+    # Layers 0-1 write KV for every processed token and attend up to the rightmost of them.
+    kv_len_processed = state.history + _rightmost(processed) + 1
+
+    position = (state.history[:, None] + index).reshape(flat)
+    attend = lambda q, rows, valid, cache, layer, kv_len: ragged_attention(  # noqa: E731
+        q, rows, valid, cache.k, cache.v, layer, kv_len, block_size=b,
+        impl=settings.attention_impl)
+
+    def write(cache: KVCache, layer, rows, valid, k, v) -> KVCache:
+        return cache.write(layer, jnp.where(valid, rows // b, s), position[rows], k, v)
+
+    def first_layers(size: int, rows, count, cache: KVCache):
+        rows, valid = rows[:size], jnp.arange(size) < count
+        layer0, layer1 = model.layer(0), model.layer(1)
+        x = model.embed_tokens(state.tokens.reshape(flat)[rows])
+        q0, k0, v0 = layer0.qkv(x, position[rows])
+        cache = write(cache, 0, rows, valid, k0, v0)
+        x = layer0.finish(x, attend(q0, rows, valid, cache, 0, kv_len_processed))
+        q1, k1, v1 = layer1.qkv(x, position[rows])
+        cache = write(cache, 1, rows, valid, k1, v1)
+        outputs = [x, q1] + ([q0, k0, k1] if settings.mode == "focus" else [])
+        return cache, [_to_blocks(o, rows, valid, flat) for o in outputs]
+
+    rows, count = compact(processed.reshape(flat))
+    processed_bucket, (cache, outputs) = run_bucketed(
+        settings.ladder, count, first_layers, rows, count, state.cache)
+    hidden, q1 = outputs[:2]
+
+    if settings.mode == "focus":
+        q0, k0, k1 = outputs[2:]
+        blocks = lambda a: a.reshape(s, b, *a.shape[1:])  # noqa: E731
+        masked_processed = processed & masked
+        delta = (focus.importance(blocks(q1), blocks(k1), masked_processed)
+                 - focus.importance(blocks(q0), blocks(k0), masked_processed))
+        avg = jnp.where(state.block_steps > 0,
+                        state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
+        retained = processed & ~masked | focus.select_retained(
+            delta, masked_processed, state.progress, avg, settings.alpha)
+    else:
+        retained = processed
+    rightmost_retained = _rightmost(retained)
+    kv_len_retained = state.history + rightmost_retained + 1
+    step_key, next_key = jax.random.split(state.rng)
+
+    def last_layers(size: int, rows, count, cache: KVCache):
+        rows, valid = rows[:size], jnp.arange(size) < count
+        x = model.layer(1).finish(hidden[rows], attend(q1[rows], rows, valid, cache, 1,
+                                                       kv_len_retained))
+
+        def body(layer, carry, _):
+            x, cache, layer_index = carry
+            q, k, v = layer.qkv(x, position[rows])
+            cache = write(cache, layer_index, rows, valid, k, v)
+            x = layer.finish(x, attend(q, rows, valid, cache, layer_index, kv_len_retained))
+            return (x, cache, layer_index + 1), None
+
+        (x, cache, _), _ = model.scan_layers(body, (x, cache, 2), start=2)
+        keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(rows)
+        token, confidence = settings.sampler(model.head(x), keys)
+        return cache, _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
+
+    rows, count = compact(retained.reshape(flat))
+    retained_bucket, (cache, token, confidence) = run_bucketed(
+        settings.ladder, count, last_layers, rows, count, cache)
+
+    candidates = retained & masked & decoding[:, None]
+    chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
+                    settings.threshold, settings.per_step)
+    tokens = jnp.where(chosen, token.reshape(s, b), state.tokens)
+    slot_state = jnp.where(chosen, UNMASKED, state.slot_state)
+    if settings.delayed_cache:
+        # From the states at this step's input: a token decoded now is re-run once with its real
+        # embedding next step; a decoded token right before a mask stays live.
+        settled = ~masked & jnp.pad(~masked[:, 1:], ((0, 0), (0, 1)), constant_values=True)
+        slot_state = jnp.where(processed & settled, CACHED, slot_state)
+    decoded = chosen.sum(axis=-1)
+
+    completed = decoding & ~(slot_state == MASKED).any(axis=-1)
+    state = _finish_blocks(state, completed, tokens, settings)
+    fresh = jnp.full_like(tokens, settings.mask_token_id)
+    state = dataclasses.replace(
+        state,
+        tokens=jnp.where(committing[:, None], fresh, tokens),
+        slot_state=jnp.where(committing[:, None], MASKED, slot_state),
+        history=jnp.where(committing, state.history + b, state.history),
+        progress=jnp.where(committing, -1, jnp.maximum(state.progress, rightmost_retained)),
+        block_decoded=jnp.where(committing, 0, state.block_decoded + decoded),
+        block_steps=jnp.where(committing, 0, state.block_steps + (decoded > 0)),
+        rng=next_key,
+        cache=cache,
+    )
+    log = StepLog(processed=processed.sum(-1), retained=retained.sum(-1), decoded=decoded,
+                  live=decoding | committing, processed_bucket=processed_bucket,
+                  retained_bucket=retained_bucket)
+    return state, log
+
+
+def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"], tokens: Int[Array, "s b"],
+                   settings: DecodeSettings) -> DecodeState:
+    """Record fully unmasked blocks and end the requests that stop in them (SPEC 3, Stop)."""
+    s, b = tokens.shape
+    m = state.sequence.shape[1]
+    position = state.history[:, None] + jnp.arange(b)
+    target = jnp.where(completed[:, None], jnp.arange(s)[:, None], s)
+    sequence = state.sequence.at[target, position].set(tokens, mode="drop")
+
+    generated = position >= state.prompt_len[:, None]
+    stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
+    is_stop = generated & jnp.isin(tokens, stop_ids)
+    has_stop = is_stop.any(axis=-1)
+    stop_len = state.history + jnp.argmax(is_stop, axis=-1) - state.prompt_len
+    block_end_len = state.history + b - state.prompt_len
+    # The cache always has room for max_new tokens (the engine checks); the last test only
+    # keeps a slot from writing past its cache if it is handed too small a one.
+    reached = (block_end_len >= state.max_new) | (state.history + 2 * b > m)
+    finished = completed & (has_stop | reached)
+    out_len = jnp.minimum(jnp.where(has_stop, stop_len, block_end_len), state.max_new)
+    return dataclasses.replace(
+        state,
+        sequence=sequence,
+        live=state.live & ~finished,
+        out_len=jnp.where(finished, out_len, state.out_len),
+    )
+
+
+def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, max_steps: int,
+                 stop_on_finish: Bool[Array, ""]) -> tuple[DecodeState, StepLog, Int[Array, ""]]:
+    """Run up to ``max_steps`` steps in one ``lax.while_loop``: until no slot is live, or (with
+    ``stop_on_finish``) as soon as some request finishes so its slot can be refilled.
+
+    Returns the state, the per-step logs ``[max_steps, ...]`` and the number of steps run.
+    """
+    s = state.tokens.shape[0]
+    empty = StepLog(*(jnp.zeros((max_steps, s), dtype) for dtype in (jnp.int32,) * 3 + (bool,)),
+                    jnp.zeros((max_steps,), jnp.int32), jnp.zeros((max_steps,), jnp.int32))
+    live_at_start = state.live
+
+    def keep_going(carry) -> Array:
+        state, _, i = carry
+        someone_finished = (live_at_start & ~state.live).any()
+        return (i < max_steps) & state.live.any() & ~(stop_on_finish & someone_finished)
+
+    def one_step(carry):
+        state, logs, i = carry
+        state, log = step(model, state, settings)
+        logs = jax.tree.map(lambda all_, one: all_.at[i].set(one), logs, log)
+        return state, logs, i + 1
+
+    return jax.lax.while_loop(keep_going, one_step, (state, empty, jnp.int32(0)))
+
+
+def tokens_per_step(block_size: int, denoising_steps: int | None) -> int:
+    """Tokens the static and sequential rules unmask per step: ``ceil(B / steps)``."""
+    return math.ceil(block_size / (denoising_steps or block_size))

@@ -1,0 +1,295 @@
+"""The serving engine: a request queue, ``S`` slots, continuous batching at block boundaries.
+
+The host side is plain Python: it prefills queued requests into free slots, runs the compiled
+decode program for a round of steps (``lax.while_loop`` on the device, no host round trip per
+step), collects finished requests, streams new tokens and keeps statistics.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from focus_jax import decoding
+from focus_jax.compaction import bucket_ladder
+from focus_jax.config import SUPPORTED_BLOCK_SIZES, ConfigError, GenerationConfig
+from focus_jax.model import Model
+from focus_jax.unmasking import Sampler
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Per-request statistics. Lists hold one entry per denoising step (commit steps excluded)."""
+
+    steps: int = 0
+    """All steps the request took part in, commit steps included."""
+    decoded_per_step: list[int] = dataclasses.field(default_factory=list)
+    processed_per_step: list[int] = dataclasses.field(default_factory=list)
+    retained_per_step: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def denoising_steps(self) -> int:
+        return len(self.decoded_per_step)
+
+    @property
+    def mean_decoded_per_step(self) -> float:
+        return float(np.mean(self.decoded_per_step)) if self.decoded_per_step else 0.0
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished request."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    """``stop`` (a stop token ended it) or ``length`` (max_new_tokens reached)."""
+    prompt_tokens: int
+    stats: RequestStats
+
+
+@dataclasses.dataclass
+class RunStats:
+    """Statistics of everything the engine ran (all requests together)."""
+
+    steps: int = 0
+    rounds: int = 0
+    generated_tokens: int = 0
+    processed_tokens: int = 0
+    """Token-steps through layers 0-1."""
+    retained_tokens: int = 0
+    """Token-steps through layers >= 2."""
+    decoded_tokens: int = 0
+    processed_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    retained_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    wall_seconds: float = 0.0
+
+    def token_layers(self, num_layers: int) -> int:
+        """Token-layers computed: processed tokens through layers 0-1, retained through the rest."""
+        return 2 * self.processed_tokens + (num_layers - 2) * self.retained_tokens
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    on_tokens: Callable[[int, list[int]], None] | None
+    stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+    streamed: int = 0
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (the message says why); other requests go on."""
+
+
+def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
+    """Padded prompt lengths: ``B * 2^k`` up to the cache length, and the cache length itself."""
+    sizes, size = {positions}, block_size
+    while size < positions:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+class Engine:
+    """Continuous-batching block-diffusion decoder over ``slots`` concurrent requests.
+
+    >>> engine = Engine(model, GenerationConfig(mode="focus"), slots=8, cache_len=1024)
+    >>> rid = engine.submit(prompt_ids, max_new_tokens=128)
+    >>> results = engine.run()   # {rid: Result}
+    """
+
+    def __init__(self, model: Model, config: GenerationConfig, *, slots: int, cache_len: int,
+                 prefill_batch: int | None = None):
+        cfg = model.config
+        block = config.block_size or cfg.block_size
+        if block is None:
+            raise ConfigError("the model's config.json names no block_size: set "
+                              "GenerationConfig(block_size=...) (4, 8, 16, 32 or 64)")
+        if cfg.block_size is not None and block != cfg.block_size:
+            raise ConfigError(f"block_size {block} does not match the model, which was trained "
+                              f"with block size {cfg.block_size}")
+        if block not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"block_size {block} is not supported: {SUPPORTED_BLOCK_SIZES}")
+        if cfg.num_layers < 2:
+            raise ConfigError("decoding needs a model with at least 2 layers")
+        if slots < 1:
+            raise ConfigError(f"slots must be >= 1, got {slots}")
+        self.model = model
+        self.config = config
+        self.block_size = block
+        self.slots = slots
+        self.cache_len = math.ceil(cache_len / block) * block
+        self.prefill_batch = prefill_batch or min(slots, 8)
+        self.stop_token_ids = (config.stop_token_ids if config.stop_token_ids is not None
+                               else model.stop_token_ids)
+        self.settings = decoding.DecodeSettings(
+            mode=config.mode, block_size=block, mask_token_id=model.mask_token_id,
+            threshold=config.resolved_threshold, alpha=config.alpha,
+            unmasking=config.unmasking,
+            per_step=decoding.tokens_per_step(block, config.denoising_steps),
+            sampler=Sampler(config.temperature, config.top_k, config.top_p),
+            ladder=bucket_ladder(slots * block, config.bucket_ladder),
+            stop_token_ids=tuple(self.stop_token_ids),
+        )
+        self.state = decoding.init_state(cfg, slots, self.cache_len, block,
+                                         self.settings.mask_token_id, config.seed)
+        self.stats = RunStats()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._slot_request: list[_Request | None] = [None] * slots
+        self._results: dict[int, Result] = {}
+        self._next_id = 0
+        self._prefill = jax.jit(functools.partial(_prefill, model.graphdef, self.settings),
+                                donate_argnums=(1,))
+        self._round = jax.jit(functools.partial(_round, model.graphdef, self.settings,
+                                                config.steps_per_round), donate_argnums=(1,))
+
+    # ----------------------------------------------------------------------------------- requests
+    def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a request needs: its prompt and generated blocks, rounded up to B."""
+        return math.ceil((prompt_len + max_new_tokens) / self.block_size) * self.block_size
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int | None = None,
+               on_tokens: Callable[[int, list[int]], None] | None = None) -> int:
+        """Queue a tokenized prompt; returns its request id.
+
+        ``on_tokens(request_id, new_token_ids)`` is called as blocks complete (streaming).
+        Raises :class:`RequestError` if the request cannot fit the cache.
+        """
+        prompt = [int(t) for t in prompt]
+        max_new = max_new_tokens or self.config.max_new_tokens
+        if not prompt:
+            raise RequestError("empty prompt: give at least one token")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        need = self.positions_needed(len(prompt), max_new)
+        if need > self.cache_len:
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens plus max_new_tokens={max_new} needs {need} cache "
+                f"positions, but the cache holds {self.cache_len}: shorten the prompt, lower "
+                f"max_new_tokens or raise the cache length")
+        rid = self._next_id
+        self._next_id += 1
+        self._queue.append(_Request(rid, prompt, max_new, on_tokens))
+        return rid
+
+    # ------------------------------------------------------------------------------------ running
+    def run(self, progress: bool = False) -> dict[int, Result]:
+        """Decode until every queued request has finished; returns results by request id."""
+        total = sum(r.max_new_tokens for r in self._queue) + sum(
+            r.max_new_tokens for r in self._slot_request if r is not None)
+        bar = tqdm(total=total, unit="tok", disable=not progress, desc=self.config.mode)
+        start = time.perf_counter()
+        while self._queue or any(r is not None for r in self._slot_request):
+            self._fill_free_slots()
+            self.state, logs, steps = self._round(
+                self.model.params, self.state, jnp.asarray(bool(self._queue)))
+            self._after_round(jax.device_get(logs), int(steps), bar)
+        self.stats.wall_seconds += time.perf_counter() - start
+        bar.close()
+        results, self._results = self._results, {}
+        return results
+
+    def _fill_free_slots(self) -> None:
+        free = [i for i, r in enumerate(self._slot_request) if r is None]
+        while free and self._queue:
+            batch = [self._queue.popleft() for _ in range(min(len(free), self.prefill_batch,
+                                                               len(self._queue)))]
+            slots = [free.pop(0) for _ in batch]
+            self._prefill_batch(batch, slots)
+            for request, slot in zip(batch, slots):
+                self._slot_request[slot] = request
+
+    def _prefill_batch(self, batch: list[_Request], slots: list[int]) -> None:
+        n = self.prefill_batch
+        longest = max(len(r.prompt) for r in batch)
+        length = next(size for size in prompt_buckets(self.block_size, self.cache_len)
+                      if size >= longest)
+        tokens = np.full((n, length), self.settings.mask_token_id, np.int32)
+        lengths = np.zeros((n,), np.int32)
+        slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
+        max_new = np.zeros((n,), np.int32)
+        for row, (request, slot) in enumerate(zip(batch, slots)):
+            tokens[row, :len(request.prompt)] = request.prompt
+            lengths[row], slot_ids[row], max_new[row] = len(request.prompt), slot, request.max_new_tokens
+        self.state = self._prefill(self.model.params, self.state, tokens, lengths, slot_ids,
+                                   max_new)
+
+    def _after_round(self, logs: decoding.StepLog, steps: int, bar: tqdm) -> None:
+        self.stats.rounds += 1
+        self.stats.steps += steps
+        self.stats.processed_tokens += int(logs.processed[:steps].sum())
+        self.stats.retained_tokens += int(logs.retained[:steps].sum())
+        self.stats.decoded_tokens += int(logs.decoded[:steps].sum())
+        self.stats.processed_buckets.update(logs.processed_bucket[:steps].tolist())
+        self.stats.retained_buckets.update(logs.retained_bucket[:steps].tolist())
+
+        live, out_len, history, sequence = jax.device_get(
+            (self.state.live, self.state.out_len, self.state.history, self.state.sequence))
+        for slot, request in enumerate(self._slot_request):
+            if request is None:
+                continue
+            took_part = logs.live[:steps, slot]
+            denoising = took_part & (logs.decoded[:steps, slot] > 0)
+            request.stats.steps += int(took_part.sum())
+            request.stats.decoded_per_step += logs.decoded[:steps, slot][denoising].tolist()
+            request.stats.processed_per_step += logs.processed[:steps, slot][denoising].tolist()
+            request.stats.retained_per_step += logs.retained[:steps, slot][denoising].tolist()
+            start = len(request.prompt)
+            if live[slot]:
+                complete = max(0, int(history[slot]) - start)
+                bar.update(complete - request.streamed)
+                self._stream(request, sequence[slot, start:start + complete].tolist())
+                continue
+            ids = sequence[slot, start:start + int(out_len[slot])].tolist()
+            bar.update(request.max_new_tokens - request.streamed)
+            self._stream(request, ids)
+            self._finish(slot, request, ids)
+
+    @staticmethod
+    def _stream(request: _Request, ids: list[int]) -> None:
+        """Hand the newly completed tokens to the request's callback."""
+        if request.on_tokens is not None and len(ids) > request.streamed:
+            request.on_tokens(request.rid, ids[request.streamed:])
+        request.streamed = max(request.streamed, len(ids))
+
+    def _finish(self, slot: int, request: _Request, ids: list[int]) -> None:
+        tokenizer = self.model.tokenizer
+        self._results[request.rid] = Result(
+            token_ids=ids,
+            text=tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None,
+            # A stop token ends the output before max_new_tokens; otherwise the cap did.
+            finish_reason="stop" if len(ids) < request.max_new_tokens else "length",
+            prompt_tokens=len(request.prompt),
+            stats=request.stats,
+        )
+        self.stats.generated_tokens += len(ids)
+        self._slot_request[slot] = None
+
+
+def _prefill(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, params: nnx.State,
+             state: decoding.DecodeState, tokens, length, slot, max_new) -> decoding.DecodeState:
+    return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot, max_new,
+                            settings)
+
+
+def _round(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, max_steps: int,
+           params: nnx.State, state: decoding.DecodeState, stop_on_finish):
+    return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,
+                                 stop_on_finish)

@@ -1,0 +1,132 @@
+"""Hugging Face safetensors -> NNX parameters for the Qwen3-style decoder.
+
+One table maps each Hugging Face key to the NNX path it fills and the reshape that turns a torch
+``Linear`` weight (``[out, in]``) into our einsum layout. Per-layer tensors are stacked on the
+leading ``layers`` axis.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+
+from focus_jax.config import ConfigError, ModelConfig
+from focus_jax.models.qwen3 import Decoder
+
+Transform = Callable[[jax.Array, ModelConfig], jax.Array]
+
+
+def _linear(shape: Callable[[ModelConfig], tuple[int, ...]]) -> Transform:
+    """A torch Linear weight ``[out, in]`` transposed to ``[in, ...out]``."""
+    return lambda w, cfg: w.T.reshape(shape(cfg))
+
+
+def _same(w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return w
+
+
+_GLOBAL: dict[str, tuple[tuple[str, ...], Transform]] = {
+    "model.embed_tokens.weight": (("embed",), _same),
+    "model.norm.weight": (("norm", "weight"), _same),
+    "lm_head.weight": (("lm_head",), lambda w, cfg: w.T),
+}
+
+_PER_LAYER: dict[str, tuple[tuple[str, ...], Transform]] = {
+    "input_layernorm.weight": (("input_norm", "weight"), _same),
+    "post_attention_layernorm.weight": (("post_attn_norm", "weight"), _same),
+    "self_attn.q_proj.weight": (
+        ("attn", "q_proj"), _linear(lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
+    "self_attn.k_proj.weight": (
+        ("attn", "k_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+    "self_attn.v_proj.weight": (
+        ("attn", "v_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+    "self_attn.o_proj.weight": (
+        ("attn", "o_proj"), _linear(lambda c: (c.num_heads, c.head_dim, c.hidden_size))),
+    "self_attn.q_norm.weight": (("attn", "q_norm", "weight"), _same),
+    "self_attn.k_norm.weight": (("attn", "k_norm", "weight"), _same),
+    "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, cfg: w.T),
+    "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, cfg: w.T),
+    "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, cfg: w.T),
+}
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: from the index when sharded, else the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ConfigError(f"{index} is not a valid safetensors index ({err})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ConfigError(f"{folder} lacks shard(s) named in its index: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} holds no *.safetensors weights (and no converted params/)")
+    return files
+
+
+def abstract_decoder(cfg: ModelConfig) -> Decoder:
+    """The decoder's structure with shapes only, nothing allocated."""
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+def load_safetensors(folder: Path, cfg: ModelConfig) -> Decoder:
+    """Build the decoder from a Hugging Face folder's safetensors weights, cast to ``cfg.dtype``."""
+    dtype = cfg.jnp_dtype
+    flat: dict[tuple[str, ...], jax.Array] = {}
+    per_layer: dict[tuple[str, ...], list[jax.Array | None]] = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="flax") as reader:
+            for key in reader.keys():
+                match = _LAYER_KEY.fullmatch(key)
+                if match:
+                    index, name = int(match.group(1)), match.group(2)
+                    if name not in _PER_LAYER or index >= cfg.num_layers:
+                        raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
+                    path, transform = _PER_LAYER[name]
+                    slots = per_layer.setdefault(path, [None] * cfg.num_layers)
+                    slots[index] = transform(reader.get_tensor(key), cfg).astype(dtype)
+                elif key in _GLOBAL:
+                    path, transform = _GLOBAL[key]
+                    flat[path] = transform(reader.get_tensor(key), cfg).astype(dtype)
+                else:
+                    raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
+    for path, slots in per_layer.items():
+        missing = [i for i, s in enumerate(slots) if s is None]
+        if missing:
+            raise ConfigError(f"weights lack layer(s) {missing[:5]} of {'.'.join(path)}")
+        flat[("layers", *path)] = jnp.stack(slots)
+    if cfg.tie_word_embeddings:
+        flat.pop(("lm_head",), None)
+    return _fill(abstract_decoder(cfg), flat, folder)
+
+
+def _fill(model: Decoder, flat: dict[tuple[str, ...], jax.Array], origin: Path) -> Decoder:
+    graphdef, state = nnx.split(model)
+    expected = {path: var for path, var in nnx.to_flat_state(state)}
+    missing = sorted(".".join(p) for p in expected if p not in flat)
+    if missing:
+        raise ConfigError(f"weights in {origin} lack: {', '.join(missing[:8])}")
+    for path, value in flat.items():
+        if path not in expected:
+            raise ConfigError(f"weights in {origin} hold {'.'.join(path)}, which the config "
+                              f"does not have (tie_word_embeddings?)")
+        want = expected[path].shape
+        if value.shape != want:
+            raise ConfigError(f"{'.'.join(path)} in {origin} has shape {tuple(value.shape)}, "
+                              f"config.json implies {tuple(want)}")
+        expected[path].set_value(value)
+    return nnx.merge(graphdef, state)

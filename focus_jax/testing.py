@@ -1,0 +1,69 @@
+"""Tiny models and tokenizers for tests, demos without a checkpoint, and quick experiments."""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from focus_jax.config import ModelConfig
+from focus_jax.model import Model
+from focus_jax.models.qwen3 import Decoder
+
+SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|mask|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def char_tokenizer() -> Any:
+    """A character-level tokenizer over printable ASCII, with pad / EOS / mask / chat tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>",
+        mask_token="<|mask|>", additional_special_tokens=["<|user|>", "<|assistant|>"],
+        chat_template=CHAT_TEMPLATE)
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """A few-layer float32 geometry that runs in milliseconds on a CPU."""
+    fields: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=10_000.0, max_position_embeddings=4096,
+        block_size=None, mask_token_id=SPECIAL_TOKENS.index("<|mask|>"), dtype="float32")
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_model(seed: int = 0, scale: float = 1.0, tokenizer: bool = False,
+               **overrides: Any) -> Model:
+    """A random tiny model. ``scale`` multiplies every weight (larger: sharper distributions)."""
+    cfg = tiny_config(**overrides)
+    decoder = Decoder(cfg, rngs=nnx.Rngs(seed))
+    if scale != 1.0:
+        graphdef, state = nnx.split(decoder)
+        state = nnx.map_state(lambda path, v: v * scale if "norm" not in path else v, state)
+        decoder = nnx.merge(graphdef, state)
+    tok = char_tokenizer() if tokenizer else None
+    eos = SPECIAL_TOKENS.index("<|endoftext|>")
+    return Model.from_decoder(decoder, tok, stop_token_ids=(eos,))
+
+
+def random_prompts(count: int, vocab: int, min_len: int, max_len: int,
+                   seed: int = 0, low: int = len(SPECIAL_TOKENS)) -> list[list[int]]:
+    """Random token-id prompts of lengths in ``[min_len, max_len]`` avoiding special tokens."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(low, vocab, size=int(rng.integers(min_len, max_len + 1))).tolist()
+            for _ in range(count)]

@@ -1,0 +1,40 @@
+"""Ragged attention, pure jnp: the ground truth every kernel is held to.
+
+Queries are the compacted rows of a decode step: row ``n`` is the token at flat index
+``rows[n] = slot * block_size + position_in_block``; rows with ``valid[n] = False`` are padding.
+Each query attends, non-causally, to its slot's cached keys and values at positions
+``[0, kv_len[slot])`` of layer ``layer``. This reference pads the queries back to one block per
+slot, which costs the same for any number of rows; the kernels work on the compacted rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
+                     k_cache: Float[Array, "layers s m kvh d"],
+                     v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
+                     kv_len: Int[Array, "s"], *, block_size: int) -> Float[Array, "n h d"]:
+    """Attention of compacted query rows over their slots' caches; GQA, float32 softmax.
+
+    Returns ``[n, h, d]`` in ``q.dtype``; padding rows hold unspecified finite values.
+    """
+    n, h, d = q.shape
+    _, slots, positions, kvh, _ = k_cache.shape
+    flat = slots * block_size
+    target = jnp.where(valid, rows, flat)
+    q_blocks = jnp.zeros((flat, h, d), q.dtype).at[target].set(q, mode="drop")
+    q_blocks = q_blocks.reshape(slots, block_size, kvh, h // kvh, d)
+    k = k_cache[layer]
+    v = v_cache[layer]
+    scores = jnp.einsum("sbkgd,smkd->skgbm", q_blocks, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    visible = jnp.arange(positions)[None, :] < kv_len[:, None]
+    scores = jnp.where(visible[:, None, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("skgbm,smkd->sbkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(flat, h, d)[rows].astype(q.dtype)

@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny models built once per session."""
+
+import os
+
+# Tests run on the CPU, in float32, with exact float32 matmuls, whatever machine runs them.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from focus_jax.testing import tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model():
+    """A tiny random float32 model with sharp enough distributions that steps decode several
+    tokens at once at moderate thresholds."""
+    return tiny_model(seed=0, scale=4.0, tokenizer=True)

@@ -1,0 +1,85 @@
+"""Cached block-diffusion decoding (mode ``baseline``) against the uncached reference decoder."""
+
+import pytest
+
+from focus_jax import GenerationConfig, generate
+from focus_jax.testing import random_prompts
+from tests.reference_decoder import reference_decode
+
+THRESHOLD = 0.04  # the tiny random model's confidences spread around this value
+
+
+def prompts_for(block_size: int) -> list[list[int]]:
+    # Different lengths, one a multiple of the block size (its active block starts fresh).
+    prompts = random_prompts(4, 128, 2, 3 * block_size - 1, seed=block_size)
+    return [*prompts, random_prompts(1, 128, 2 * block_size, 2 * block_size, seed=7)[0]]
+
+
+@pytest.mark.parametrize(("block_size", "rule"), [
+    (4, "low_confidence_dynamic"), (8, "low_confidence_dynamic"),
+    (4, "low_confidence_static"), (8, "sequential"),
+])
+def test_cached_baseline_matches_uncached_reference(model, block_size, rule):
+    prompts = prompts_for(block_size)
+    config = GenerationConfig(mode="baseline", block_size=block_size, threshold=THRESHOLD,
+                              unmasking=rule, denoising_steps=block_size // 2,
+                              max_new_tokens=3 * block_size)
+    results = generate(model, prompts, config)
+    all_steps = []
+    for prompt, result in zip(prompts, results, strict=True):
+        expected, steps = reference_decode(
+            model, prompt, block_size, threshold=THRESHOLD, max_new_tokens=3 * block_size,
+            stop_ids=model.stop_token_ids, rule=rule, denoising_steps=block_size // 2)
+        assert result.token_ids == expected
+        assert result.stats.decoded_per_step == steps
+        all_steps += steps
+    if rule == "low_confidence_dynamic":  # both the threshold and the fallback were exercised
+        assert max(all_steps) > 1 and min(all_steps) == 1
+
+
+def test_stop_token_ends_the_output_before_it(model):
+    prompt = random_prompts(1, 128, 5, 5, seed=3)[0]
+    base = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+                            max_new_tokens=16, stop_token_ids=())
+    free = generate(model, prompt, base)[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 16
+    stop = free.token_ids[6]
+    first = free.token_ids.index(stop)
+    stopped = generate(model, prompt, base.replace(stop_token_ids=(stop,)))[0]
+    assert stopped.token_ids == free.token_ids[:first]
+    assert stopped.finish_reason == "stop"
+
+
+def test_max_new_tokens_is_a_hard_cap(model):
+    prompt = random_prompts(1, 128, 6, 6, seed=4)[0]
+    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+                              max_new_tokens=7, stop_token_ids=())
+    result = generate(model, prompt, config)[0]
+    longer = generate(model, prompt, config.replace(max_new_tokens=12))[0]
+    assert len(result.token_ids) == 7 and result.finish_reason == "length"
+    assert result.token_ids == longer.token_ids[:7]
+
+
+def test_sampling_with_top_k_one_is_greedy_and_seeded_sampling_repeats(model):
+    prompts = random_prompts(2, 128, 3, 9, seed=5)
+    base = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+                            max_new_tokens=8, stop_token_ids=())
+    greedy = [r.token_ids for r in generate(model, prompts, base)]
+    # At temperature 1 the confidences equal greedy's, and top-k 1 leaves one token to sample.
+    top1 = [r.token_ids for r in generate(model, prompts, base.replace(temperature=1.0, top_k=1))]
+    assert top1 == greedy
+    sampled = base.replace(temperature=1.0, top_p=0.9, seed=1)
+    first = [r.token_ids for r in generate(model, prompts, sampled)]
+    again = [r.token_ids for r in generate(model, prompts, sampled)]
+    other = [r.token_ids for r in generate(model, prompts, sampled.replace(seed=2))]
+    assert first == again
+    assert first != other and first != greedy
+
+
+def test_more_prompts_than_slots_are_served_by_refilling_slots(model):
+    prompts = prompts_for(4)
+    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+                              max_new_tokens=8)
+    together = [r.token_ids for r in generate(model, prompts, config)]
+    two_slots = [r.token_ids for r in generate(model, prompts, config.replace(max_batch=2))]
+    assert two_slots == together
