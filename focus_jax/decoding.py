@@ -20,7 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
 
 from focus_jax import focus
 from focus_jax.cache import KVCache
@@ -187,7 +187,7 @@ def step(model: Decoder, state: DecodeState,
     kv_len_processed = state.history + _rightmost(processed) + 1
 
     position = (state.history[:, None] + index).reshape(flat)
-    attend = lambda q, rows, valid, cache, layer, kv_len: ragged_attention(  # noqa: E731
+    attend = lambda q, rows, valid, cache, layer, kv_len: ragged_attention(
         q, rows, valid, cache.k, cache.v, layer, kv_len, block_size=b,
         impl=settings.attention_impl)
 
@@ -213,7 +213,7 @@ def step(model: Decoder, state: DecodeState,
 
     if settings.mode == "focus":
         q0, k0, k1 = outputs[2:]
-        blocks = lambda a: a.reshape(s, b, *a.shape[1:])  # noqa: E731
+        blocks = lambda a: a.reshape(s, b, *a.shape[1:])
         masked_processed = processed & masked
         delta = (focus.importance(blocks(q1), blocks(k1), masked_processed)
                  - focus.importance(blocks(q0), blocks(k0), masked_processed))

@@ -213,7 +213,7 @@ class Engine:
                                                                len(self._queue)))]
             slots = [free.pop(0) for _ in batch]
             self._prefill_batch(batch, slots)
-            for request, slot in zip(batch, slots):
+            for request, slot in zip(batch, slots, strict=False):
                 self._slot_request[slot] = request
 
     def _prefill_batch(self, batch: list[_Request], slots: list[int]) -> None:
@@ -225,7 +225,7 @@ class Engine:
         lengths = np.zeros((n,), np.int32)
         slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
         max_new = np.zeros((n,), np.int32)
-        for row, (request, slot) in enumerate(zip(batch, slots)):
+        for row, (request, slot) in enumerate(zip(batch, slots, strict=False)):
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], slot_ids[row], max_new[row] = len(request.prompt), slot, request.max_new_tokens
         self.state = self._prefill(self.model.params, self.state, tokens, lengths, slot_ids,

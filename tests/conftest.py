@@ -5,8 +5,8 @@ import os
 # Tests run on the CPU, in float32, with exact float32 matmuls, whatever machine runs them.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -22,7 +22,7 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
 
     Returns ``[n, h, d]`` in ``q.dtype``; padding rows hold unspecified finite values.
     """
-    n, h, d = q.shape
+    _n, h, d = q.shape
     _, slots, positions, kvh, _ = k_cache.shape
     flat = slots * block_size
     target = jnp.where(valid, rows, flat)
