@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from focus_jax.config import ConfigError, GenerationConfig
-from focus_jax.engine import Engine, Result, RunStats
+from focus_jax.engine import Engine, Result, RunStats, prompt_buckets
 from focus_jax.model import Model
 
 Prompt = str | Sequence[int]
@@ -51,12 +51,14 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     longest = max(len(p) for p in ids)
     cache_len = config.max_cache_len
     if cache_len is None and block:
-        cache_len = -(-(longest + config.max_new_tokens) // block) * block
+        # Rounded up to B * 2^k so that repeated calls reuse compiled programs.
+        needed = longest + config.max_new_tokens
+        cache_len = next(size for size in prompt_buckets(block, needed * 2) if size >= needed)
     if cache_len is not None and longest + config.max_new_tokens > model.config.max_position_embeddings:
         raise ConfigError(
             f"prompt of {longest} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "
             f"model's max_position_embeddings ({model.config.max_position_embeddings})")
-    slots = config.max_batch or min(len(ids), DEFAULT_MAX_BATCH)
+    slots = config.max_batch or min(1 << (len(ids) - 1).bit_length(), DEFAULT_MAX_BATCH)
     engine = Engine(model, config, slots=slots, cache_len=cache_len or 0)
     rids = [engine.submit(p, on_tokens=_by_index(on_tokens, i)) for i, p in enumerate(ids)]
     results = engine.run(progress=progress)

@@ -47,7 +47,7 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True) 
     tok = load_tokenizer(folder) if tokenizer else None
     if cfg.mask_token_id is None:
         mask = getattr(tok, "mask_token_id", None)
-        if mask is None and cfg.model_type == "sdar":
+        if mask is None and cfg.model_type == "sdar" and cfg.vocab_size > SDAR_MASK_TOKEN_ID:
             mask = SDAR_MASK_TOKEN_ID
         cfg = cfg.replace(mask_token_id=mask)
     if (folder / PARAMS_DIR).is_dir():

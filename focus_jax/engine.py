@@ -71,7 +71,9 @@ class RunStats:
     """Token-steps through layers >= 2."""
     decoded_tokens: int = 0
     processed_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Steps per bucket size (rows) of the processed-token compaction."""
     retained_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Steps per bucket size (rows) of the retained-token compaction."""
     wall_seconds: float = 0.0
 
     def token_layers(self, num_layers: int) -> int:
@@ -154,10 +156,9 @@ class Engine:
         self._slot_request: list[_Request | None] = [None] * slots
         self._results: dict[int, Result] = {}
         self._next_id = 0
-        self._prefill = jax.jit(functools.partial(_prefill, model.graphdef, self.settings),
-                                donate_argnums=(1,))
-        self._round = jax.jit(functools.partial(_round, model.graphdef, self.settings,
-                                                config.steps_per_round), donate_argnums=(1,))
+        self._prefill = functools.partial(_prefill, model.graphdef, self.settings)
+        self._round = functools.partial(_round, model.graphdef, self.settings,
+                                        config.steps_per_round)
 
     # ----------------------------------------------------------------------------------- requests
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -237,8 +238,9 @@ class Engine:
         self.stats.processed_tokens += int(logs.processed[:steps].sum())
         self.stats.retained_tokens += int(logs.retained[:steps].sum())
         self.stats.decoded_tokens += int(logs.decoded[:steps].sum())
-        self.stats.processed_buckets.update(logs.processed_bucket[:steps].tolist())
-        self.stats.retained_buckets.update(logs.retained_bucket[:steps].tolist())
+        ladder = self.settings.ladder
+        self.stats.processed_buckets.update(ladder[i] for i in logs.processed_bucket[:steps])
+        self.stats.retained_buckets.update(ladder[i] for i in logs.retained_bucket[:steps])
 
         live, out_len, history, sequence = jax.device_get(
             (self.state.live, self.state.out_len, self.state.history, self.state.sequence))
@@ -283,12 +285,16 @@ class Engine:
         self._slot_request[slot] = None
 
 
+# Compiled programs are cached by (graphdef, settings, shapes), so engines with the same settings
+# share them; the decode state is donated (updated in place).
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def _prefill(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, params: nnx.State,
              state: decoding.DecodeState, tokens, length, slot, max_new) -> decoding.DecodeState:
     return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot, max_new,
                             settings)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def _round(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, max_steps: int,
            params: nnx.State, state: decoding.DecodeState, stop_on_finish):
     return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,

@@ -90,7 +90,7 @@ def load_safetensors(folder: Path, cfg: ModelConfig) -> Decoder:
     per_layer: dict[tuple[str, ...], list[jax.Array | None]] = {}
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="flax") as reader:
-            for key in reader:
+            for key in reader.keys():  # noqa: SIM118 (safe_open is not iterable)
                 match = _LAYER_KEY.fullmatch(key)
                 if match:
                     index, name = int(match.group(1)), match.group(2)

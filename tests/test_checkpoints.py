@@ -1,0 +1,116 @@
+"""Loading Hugging Face and converted folders, and the errors a user can hit."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import focus_jax
+from focus_jax import ConfigError, GenerationConfig, RequestError
+from focus_jax.testing import char_tokenizer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "parity" / "qwen3_untied"
+
+
+@pytest.fixture
+def hf_folder(tmp_path) -> Path:
+    """A copy of a parity checkpoint with a tokenizer and a mask token id."""
+    folder = tmp_path / "hf"
+    shutil.copytree(FIXTURE, folder)
+    char_tokenizer().save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config["mask_token_id"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def tokens() -> np.ndarray:
+    return np.load(FIXTURE / "reference_logits.npz")["tokens"]
+
+
+def test_convert_then_load_gives_the_same_logits(hf_folder, tmp_path):
+    original = focus_jax.load(hf_folder, dtype="float32")
+    out = focus_jax.convert(hf_folder, tmp_path / "converted", dtype="float32")
+    assert (out / "params").is_dir() and (out / "tokenizer.json").exists()
+    converted = focus_jax.load(out)
+    np.testing.assert_array_equal(np.asarray(original.logits(tokens(), 4)),
+                                  np.asarray(converted.logits(tokens(), 4)))
+    assert converted.tokenizer.mask_token_id == 2 and converted.mask_token_id == 2
+
+
+def test_sharded_safetensors_with_index_load(hf_folder):
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    (hf_folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(hf_folder / file))
+        weight_map.update(dict.fromkeys(keys, file))
+    (hf_folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = focus_jax.load(hf_folder, dtype="float32")
+    expected = np.load(FIXTURE / "reference_logits.npz")["logits_b4"]
+    assert np.abs(np.asarray(model.logits(tokens(), 4)) - expected).max() <= 1e-4
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        focus_jax.load(tmp_path / "nowhere")
+
+
+def test_broken_config_json_is_a_clear_error(hf_folder):
+    (hf_folder / "config.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        focus_jax.load(hf_folder)
+
+
+def test_unknown_model_type_is_a_clear_error(hf_folder):
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["model_type"] = "llama"
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="model_type 'llama' is not supported"):
+        focus_jax.load(hf_folder)
+
+
+def test_config_that_disagrees_with_the_weights_is_a_clear_error(hf_folder):
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="has shape"):
+        focus_jax.load(hf_folder)
+
+
+def test_missing_weights_and_missing_tokenizer_are_clear_errors(hf_folder):
+    (hf_folder / "tokenizer.json").unlink()
+    (hf_folder / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match="holds no tokenizer"):
+        focus_jax.load(hf_folder)
+    (hf_folder / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        focus_jax.load(hf_folder, tokenizer=False)
+
+
+def test_prompt_longer_than_the_cache_is_a_clear_error(model):
+    config = GenerationConfig(mode="baseline", block_size=4, max_new_tokens=8, max_cache_len=16)
+    with pytest.raises(RequestError, match="cache holds 16"):
+        focus_jax.generate(model, list(range(10, 22)), config)
+
+
+def test_block_size_the_model_was_not_trained_for_is_a_clear_error(model):
+    trained = focus_jax.Model(model.config.replace(block_size=8), model.graphdef, model.params,
+                              model.tokenizer, model.stop_token_ids)
+    with pytest.raises(ConfigError, match="trained with block size 8"):
+        focus_jax.generate(trained, [5, 6, 7], GenerationConfig(block_size=4))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("mode", "fast", "mode 'fast'"), ("threshold", 1.5, "threshold"), ("block_size", 7, "block_size 7"),
+    ("top_p", 0.0, "top_p"), ("max_new_tokens", 0, "max_new_tokens"),
+])
+def test_bad_generation_settings_are_rejected_on_construction(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        GenerationConfig(**{field: value})
