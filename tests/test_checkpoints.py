@@ -90,7 +90,7 @@ def test_missing_weights_and_missing_tokenizer_are_clear_errors(hf_folder):
     with pytest.raises(ConfigError, match="holds no tokenizer"):
         focus_jax.load(hf_folder)
     (hf_folder / "model.safetensors").unlink()
-    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+    with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
         focus_jax.load(hf_folder, tokenizer=False)
 
 
