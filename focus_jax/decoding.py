@@ -45,9 +45,14 @@ class DecodeSettings:
     unmasking: str
     per_step: int
     sampler: Sampler
-    ladder: tuple[int, ...]
+    processed_ladder: tuple[int, ...]
+    """Bucket sizes for the processed tokens (rows of the flat ``S*B`` token axis)."""
+    retained_ladder: tuple[int, ...]
+    """Bucket sizes for the retained tokens."""
     stop_token_ids: tuple[int, ...]
     attention_impl: str | None = None
+    unroll_layers: bool = False
+    """Unroll the layer scan (for cost analysis; compile time then grows with depth)."""
 
     @property
     def delayed_cache(self) -> bool:
@@ -86,12 +91,16 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepLog:
-    """What one step did, per slot, and the buckets it ran in."""
+    """What one step did to each position of each slot's active block, and its buckets."""
 
-    processed: Int[Array, "s"]
-    retained: Int[Array, "s"]
-    decoded: Int[Array, "s"]
+    processed: Bool[Array, "s b"]
+    """Ran through layers 0-1."""
+    retained: Bool[Array, "s b"]
+    """Ran through every layer."""
+    decoded: Bool[Array, "s b"]
+    """Unmasked by this step."""
     live: Bool[Array, "s"]
+    """The slot took part (a denoising or a commit step)."""
     processed_bucket: Int[Array, ""]
     retained_bucket: Int[Array, ""]
 
@@ -208,7 +217,7 @@ def step(model: Decoder, state: DecodeState,
 
     rows, count = compact(processed.reshape(flat))
     processed_bucket, (cache, outputs) = run_bucketed(
-        settings.ladder, count, first_layers, rows, count, state.cache)
+        settings.processed_ladder, count, first_layers, rows, count, state.cache)
     hidden, q1 = outputs[:2]
 
     if settings.mode == "focus":
@@ -239,14 +248,15 @@ def step(model: Decoder, state: DecodeState,
             x = layer.finish(x, attend(q, rows, valid, cache, layer_index, kv_len_retained))
             return (x, cache, layer_index + 1), None
 
-        (x, cache, _), _ = model.scan_layers(body, (x, cache, 2), start=2)
+        (x, cache, _), _ = model.scan_layers(body, (x, cache, 2), start=2,
+                                             unroll=settings.unroll_layers)
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(rows)
         token, confidence = settings.sampler(model.head(x), keys)
         return cache, _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
 
     rows, count = compact(retained.reshape(flat))
     retained_bucket, (cache, token, confidence) = run_bucketed(
-        settings.ladder, count, last_layers, rows, count, cache)
+        settings.retained_ladder, count, last_layers, rows, count, cache)
 
     candidates = retained & masked & decoding[:, None]
     chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
@@ -274,7 +284,7 @@ def step(model: Decoder, state: DecodeState,
         rng=next_key,
         cache=cache,
     )
-    log = StepLog(processed=processed.sum(-1), retained=retained.sum(-1), decoded=decoded,
+    log = StepLog(processed=processed, retained=retained, decoded=chosen,
                   live=decoding | committing, processed_bucket=processed_bucket,
                   retained_bucket=retained_bucket)
     return state, log
@@ -315,9 +325,10 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
 
     Returns the state, the per-step logs ``[max_steps, ...]`` and the number of steps run.
     """
-    s = state.tokens.shape[0]
-    empty = StepLog(*(jnp.zeros((max_steps, s), dtype) for dtype in (jnp.int32,) * 3 + (bool,)),
-                    jnp.zeros((max_steps,), jnp.int32), jnp.zeros((max_steps,), jnp.int32))
+    s, b = state.tokens.shape
+    empty = StepLog(*(jnp.zeros((max_steps, s, b), bool) for _ in range(3)),
+                    jnp.zeros((max_steps, s), bool), jnp.zeros((max_steps,), jnp.int32),
+                    jnp.zeros((max_steps,), jnp.int32))
     live_at_start = state.live
 
     def keep_going(carry) -> Array:

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -146,7 +145,8 @@ class Engine:
             unmasking=config.unmasking,
             per_step=decoding.tokens_per_step(block, config.denoising_steps),
             sampler=Sampler(config.temperature, config.top_k, config.top_p),
-            ladder=bucket_ladder(slots * block, config.bucket_ladder),
+            processed_ladder=bucket_ladder(slots * block, config.bucket_ladder),
+            retained_ladder=bucket_ladder(slots * block, config.bucket_ladder),
             stop_token_ids=tuple(self.stop_token_ids),
         )
         self.state = decoding.init_state(cfg, slots, self.cache_len, block,
@@ -159,6 +159,20 @@ class Engine:
         self._prefill = functools.partial(_prefill, model.graphdef, self.settings)
         self._round = functools.partial(_round, model.graphdef, self.settings,
                                         config.steps_per_round)
+
+    def warmup(self) -> None:
+        """Compile every program a run can need (the decode round, with all its bucket branches,
+        and prefill at every prompt-length bucket), so that serving never compiles mid-way."""
+        if any(r is not None for r in self._slot_request):
+            raise RuntimeError("warmup() must run before requests are started")
+        for length in prompt_buckets(self.block_size, self.cache_len):
+            # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
+            self._run_prefill(np.zeros((self.prefill_batch, length), np.int32),
+                              np.ones((self.prefill_batch,), np.int32),
+                              np.full((self.prefill_batch,), self.slots, np.int32),
+                              np.ones((self.prefill_batch,), np.int32))
+        self.state, _, _ = self._round(self.model.params, self.state, np.asarray(False))
+        jax.block_until_ready(self.state)
 
     # ----------------------------------------------------------------------------------- requests
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -200,7 +214,7 @@ class Engine:
         while self._queue or any(r is not None for r in self._slot_request):
             self._fill_free_slots()
             self.state, logs, steps = self._round(
-                self.model.params, self.state, jnp.asarray(bool(self._queue)))
+                self.model.params, self.state, np.asarray(bool(self._queue)))
             self._after_round(jax.device_get(logs), int(steps), bar)
         self.stats.wall_seconds += time.perf_counter() - start
         bar.close()
@@ -229,18 +243,27 @@ class Engine:
         for row, (request, slot) in enumerate(zip(batch, slots, strict=False)):
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], slot_ids[row], max_new[row] = len(request.prompt), slot, request.max_new_tokens
+        self._run_prefill(tokens, lengths, slot_ids, max_new)
+
+    def _run_prefill(self, tokens: np.ndarray, lengths: np.ndarray, slot_ids: np.ndarray,
+                     max_new: np.ndarray) -> None:
         self.state = self._prefill(self.model.params, self.state, tokens, lengths, slot_ids,
                                    max_new)
 
     def _after_round(self, logs: decoding.StepLog, steps: int, bar: tqdm) -> None:
+        settings = self.settings
+        processed = logs.processed[:steps].sum(-1)  # [steps, slots]
+        retained = logs.retained[:steps].sum(-1)
+        decoded = logs.decoded[:steps].sum(-1)
         self.stats.rounds += 1
         self.stats.steps += steps
-        self.stats.processed_tokens += int(logs.processed[:steps].sum())
-        self.stats.retained_tokens += int(logs.retained[:steps].sum())
-        self.stats.decoded_tokens += int(logs.decoded[:steps].sum())
-        ladder = self.settings.ladder
-        self.stats.processed_buckets.update(ladder[i] for i in logs.processed_bucket[:steps])
-        self.stats.retained_buckets.update(ladder[i] for i in logs.retained_bucket[:steps])
+        self.stats.processed_tokens += int(processed.sum())
+        self.stats.retained_tokens += int(retained.sum())
+        self.stats.decoded_tokens += int(decoded.sum())
+        self.stats.processed_buckets.update(
+            settings.processed_ladder[i] for i in logs.processed_bucket[:steps])
+        self.stats.retained_buckets.update(
+            settings.retained_ladder[i] for i in logs.retained_bucket[:steps])
 
         live, out_len, history, sequence = jax.device_get(
             (self.state.live, self.state.out_len, self.state.history, self.state.sequence))
@@ -248,11 +271,11 @@ class Engine:
             if request is None:
                 continue
             took_part = logs.live[:steps, slot]
-            denoising = took_part & (logs.decoded[:steps, slot] > 0)
+            denoising = took_part & (decoded[:, slot] > 0)
             request.stats.steps += int(took_part.sum())
-            request.stats.decoded_per_step += logs.decoded[:steps, slot][denoising].tolist()
-            request.stats.processed_per_step += logs.processed[:steps, slot][denoising].tolist()
-            request.stats.retained_per_step += logs.retained[:steps, slot][denoising].tolist()
+            request.stats.decoded_per_step += decoded[denoising, slot].tolist()
+            request.stats.processed_per_step += processed[denoising, slot].tolist()
+            request.stats.retained_per_step += retained[denoising, slot].tolist()
             start = len(request.prompt)
             if live[slot]:
                 complete = max(0, int(history[slot]) - start)

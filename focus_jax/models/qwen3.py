@@ -149,8 +149,12 @@ class Decoder(nnx.Module):
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stacked))
 
     def scan_layers(self, body: Callable[[DecoderLayer, Any, Any], tuple[Any, Any]], carry: Any,
-                    xs: Any = None, start: int = 0) -> tuple[Any, Any]:
-        """``lax.scan`` of ``body(layer, carry, x) -> (carry, y)`` over layers ``start..L-1``."""
+                    xs: Any = None, start: int = 0, unroll: bool = False) -> tuple[Any, Any]:
+        """``lax.scan`` of ``body(layer, carry, x) -> (carry, y)`` over layers ``start..L-1``.
+
+        ``unroll`` lays the layers out one after another (XLA's cost analysis counts a loop body
+        once; unrolled, every layer is counted), at the price of compile time growing with depth.
+        """
         graphdef, stacked = nnx.split(self.layers)
         stacked = jax.tree.map(lambda a: a[start:], stacked)
 
@@ -158,7 +162,7 @@ class Decoder(nnx.Module):
             layer_state, x = layer_and_x
             return body(nnx.merge(graphdef, layer_state), carry, x)
 
-        return jax.lax.scan(step, carry, (stacked, xs))
+        return jax.lax.scan(step, carry, (stacked, xs), unroll=unroll)
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """Final norm and LM head; logits in float32."""
