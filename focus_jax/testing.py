@@ -11,18 +11,12 @@ from flax import nnx
 from focus_jax.config import ModelConfig
 from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
-
-SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|mask|>", "<|user|>", "<|assistant|>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+from focus_jax.train.tokenizer import SPECIAL_TOKENS, wrap
 
 
 def char_tokenizer() -> Any:
     """A character-level tokenizer over printable ASCII, with pad / EOS / mask / chat tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in string.printable:
@@ -31,10 +25,7 @@ def char_tokenizer() -> Any:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>",
-        mask_token="<|mask|>", additional_special_tokens=["<|user|>", "<|assistant|>"],
-        chat_template=CHAT_TEMPLATE)
+    return wrap(core)
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:

@@ -130,3 +130,51 @@ def _fill(model: Decoder, flat: dict[tuple[str, ...], jax.Array], origin: Path) 
                               f"config.json implies {tuple(want)}")
         expected[path].set_value(value)
     return nnx.merge(graphdef, state)
+
+
+def _to_torch_layout(value: jax.Array, path: tuple[str, ...]) -> jax.Array:
+    """The inverse of the table's transforms: our einsum layout back to ``[out, in]``."""
+    name = path[-1]
+    if name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        fan_in = value.shape[0] if name != "o_proj" else value.shape[0] * value.shape[1]
+        return value.reshape(fan_in, -1).T
+    if name in ("gate_proj", "up_proj", "down_proj", "lm_head"):
+        return value.T
+    return value
+
+
+def save_safetensors(model: Decoder, folder: Path, max_shard_bytes: int = 15 << 20) -> list[Path]:
+    """Write the weights as Hugging Face safetensors (sharded with an index when over
+    ``max_shard_bytes``), the layout :func:`load_safetensors` reads."""
+    from safetensors.flax import save_file
+
+    _, state = nnx.split(model)
+    flat = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
+    tensors: dict[str, jax.Array] = {}
+    for key, (path, _) in _GLOBAL.items():
+        if path in flat:
+            tensors[key] = _to_torch_layout(flat[path], path)
+    for name, (path, _) in _PER_LAYER.items():
+        stacked = flat[("layers", *path)]
+        for index in range(stacked.shape[0]):
+            tensors[f"model.layers.{index}.{name}"] = _to_torch_layout(stacked[index], path)
+    shards: list[dict[str, jax.Array]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].size * tensors[key].dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key in shard}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(folder / name))
+    return [folder / name for name in names]

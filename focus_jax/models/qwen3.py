@@ -191,6 +191,19 @@ def dense_attention(q: Float[Array, "b t h d"], k: Float[Array, "b s kvh d"],
     return out.reshape(b, t, h, d)
 
 
+def forward_hidden(model: Decoder, tokens: Int[Array, "b t"], positions: Int[Array, "b t"],
+                   mask: Array, unroll: bool = False):
+    """Uncached forward under an arbitrary attention mask (``[t, t]`` or ``[b, t, t]``, True where
+    a query sees a key). Returns the last hidden states ``[b, t, e]`` and every layer's keys and
+    values ``[L, b, t, KVH, D]``."""
+
+    def body(layer: DecoderLayer, x: jax.Array, _: None):
+        q, k, v = layer.qkv(x, positions)
+        return layer.finish(x, dense_attention(q, k, v, mask)), (k, v)
+
+    return model.scan_layers(body, model.embed_tokens(tokens), unroll=unroll)
+
+
 def forward(model: Decoder, tokens: Int[Array, "b t"], block_size: int):
     """Uncached block-causal forward over whole sequences.
 
@@ -198,11 +211,5 @@ def forward(model: Decoder, tokens: Int[Array, "b t"], block_size: int):
     ``[L, b, t, KVH, D]`` (what prefill writes into the cache).
     """
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    mask = block_causal_mask(tokens.shape[1], block_size)
-
-    def body(layer: DecoderLayer, x: jax.Array, _: None):
-        q, k, v = layer.qkv(x, positions)
-        return layer.finish(x, dense_attention(q, k, v, mask)), (k, v)
-
-    x, kv = model.scan_layers(body, model.embed_tokens(tokens))
+    x, kv = forward_hidden(model, tokens, positions, block_causal_mask(tokens.shape[1], block_size))
     return model.head(x), kv

@@ -1,0 +1,115 @@
+"""Training batches: (prompt, response) pairs tokenized with the chat template, EOS-padded.
+
+A batch is a pure function of its index (``source.batch(i)``), so a resumed run sees exactly the
+batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from focus_jax import tasks
+from focus_jax.api import encode_prompt
+from focus_jax.model import Model
+
+
+class BatchSource(Protocol):
+    def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``tokens int32 [batch, length]`` and ``trainable bool [batch, length]``."""
+        ...
+
+
+def encode_pair(model: Model, prompt: str, response: str, length: int) -> tuple[list[int], int] | None:
+    """Prompt (chat template) + response + EOS padding to ``length``; and where the response
+    starts. None if the pair does not fit."""
+    tokenizer = model.tokenizer
+    prompt_ids = encode_prompt(model, prompt)
+    response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+    if len(prompt_ids) + len(response_ids) > length:
+        return None
+    ids = prompt_ids + response_ids
+    # Everything after the response is EOS: the model learns to end, and to end with confidence.
+    return ids + [tokenizer.eos_token_id] * (length - len(ids)), len(prompt_ids)
+
+
+def _pack(pairs: list[tuple[list[int], int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.array([ids for ids, _ in pairs], np.int32)
+    trainable = np.arange(length)[None, :] >= np.array([start for _, start in pairs])[:, None]
+    return tokens, trainable
+
+
+class TaskSource:
+    """Batches drawn from the generated task suite (held-out questions never appear)."""
+
+    def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
+                 task_names: tuple[str, ...] = tuple(tasks.TASKS)):
+        self.model, self.batch_size, self.length, self.seed = model, batch_size, length, seed
+        self.task_names = task_names
+
+    def example(self, index: int) -> tasks.Example:
+        task = self.task_names[index % len(self.task_names)]
+        attempt = 0
+        while True:
+            example = tasks.make_example(task, self.seed, index + attempt * (1 << 40))
+            if not tasks.is_held_out(example.question):
+                return example
+            attempt += 1
+
+    def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        pairs = []
+        i = index * self.batch_size
+        while len(pairs) < self.batch_size:
+            example = self.example(i)
+            encoded = encode_pair(self.model, example.question, example.answer, self.length)
+            if encoded is None:
+                raise ValueError(f"sequence length {self.length} is too short for {example}")
+            pairs.append(encoded)
+            i += 1
+        return _pack(pairs, self.length)
+
+
+class PairSource:
+    """Batches from user data: a JSON-lines file of ``{"prompt": ..., "response": ...}``.
+
+    Each epoch is a seeded shuffle; pairs longer than ``length`` are dropped (and counted).
+    """
+
+    def __init__(self, model: Model, path: str | Path, batch_size: int, length: int,
+                 seed: int = 0):
+        self.batch_size, self.length, self.seed = batch_size, length, seed
+        self.pairs: list[tuple[list[int], int]] = []
+        self.dropped = 0
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            record: Any = json.loads(line)
+            if not isinstance(record, dict) or "prompt" not in record or "response" not in record:
+                raise ValueError(f"{path}:{number}: each line must be a JSON object with "
+                                 f"'prompt' and 'response'")
+            encoded = encode_pair(model, record["prompt"], record["response"], length)
+            if encoded is None:
+                self.dropped += 1
+            else:
+                self.pairs.append(encoded)
+        if not self.pairs:
+            raise ValueError(f"{path}: no usable pairs (dropped {self.dropped} longer than "
+                             f"{length} tokens)")
+
+    @functools.lru_cache(maxsize=2)
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.pairs)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        chosen = []
+        for i in range(index * self.batch_size, (index + 1) * self.batch_size):
+            epoch, position = divmod(i, len(self.pairs))
+            chosen.append(self.pairs[self._order(epoch)[position]])
+        return _pack(chosen, self.length)

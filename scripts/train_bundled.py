@@ -1,0 +1,94 @@
+"""Train the bundled model: tokenizer, geometry and training run, then export and evaluate.
+
+    python scripts/train_bundled.py --out /tmp/bundle --max-seconds 420    # on the H200
+
+The result folder is a Hugging Face style folder (config.json, safetensors shards of <= 15 MB,
+tokenizer files) that `focus_jax.load` reads; checkpoints/focus-tiny is a copy of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+from flax import nnx
+
+from focus_jax import evaluate, tasks
+from focus_jax.config import ModelConfig
+from focus_jax.model import Model
+from focus_jax.models.params import save_safetensors
+from focus_jax.models.qwen3 import Decoder
+from focus_jax.train import TaskSource, TrainConfig, train
+from focus_jax.train.tokenizer import train_bpe
+
+BLOCK_SIZE = 8
+SEQ_LEN = 48
+
+
+def build_tokenizer(vocab_size: int = 512):
+    texts = []
+    for example in itertools.islice(tasks.training_stream(seed=0), 60_000):
+        texts += [example.question, example.answer]
+    return train_bpe(texts, vocab_size)
+
+
+def geometry(tokenizer, **overrides) -> ModelConfig:
+    vocab = -(-len(tokenizer) // 64) * 64
+    fields = dict(vocab_size=vocab, hidden_size=384, intermediate_size=1024, num_layers=8,
+                  num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10_000.0,
+                  max_position_embeddings=1024, tie_word_embeddings=True, block_size=BLOCK_SIZE,
+                  mask_token_id=tokenizer.mask_token_id, model_type="qwen3", dtype="float32")
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def export(model: Model, folder: Path) -> None:
+    """A Hugging Face style folder in bfloat16: config, safetensors shards, tokenizer."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    config = model.config.replace(dtype="bfloat16")
+    graphdef, state = nnx.split(model.module())
+    state = nnx.map_state(lambda _, v: v.astype("bfloat16"), state)
+    save_safetensors(nnx.merge(graphdef, state), folder)
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    model.tokenizer.save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": model.tokenizer.eos_token_id, "mask_token_id": config.mask_token_id}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--max-seconds", type=float, default=None)
+    parser.add_argument("--eval-per-task", type=int, default=50)
+    parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
+    args = parser.parse_args()
+
+    tokenizer = build_tokenizer()
+    overrides = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
+                     head_dim=32) if args.small else {}
+    cfg = geometry(tokenizer, **overrides)
+    model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
+                               (tokenizer.eos_token_id,))
+    print(f"parameters: {cfg.num_params / 1e6:.2f}M, vocab {cfg.vocab_size}")
+    source = TaskSource(model, args.batch_size, SEQ_LEN)
+    train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
+                            warmup_steps=min(200, args.steps // 10), block_size=BLOCK_SIZE,
+                            max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100)
+    trained = train(model, source, train_cfg, args.out / "run", resume=True)
+    export(trained, args.out / "focus-tiny")
+    if args.eval_per_task:
+        reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task), max_batch=128)
+        table = evaluate.markdown(reports)
+        print(table)
+        (args.out / "eval.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
