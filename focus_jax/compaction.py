@@ -39,10 +39,22 @@ def bucket_index(count: Int[Array, ""], ladder: Sequence[int]) -> Int[Array, ""]
     return jnp.sum(jnp.asarray(ladder, jnp.int32) < count).astype(jnp.int32)
 
 
-def run_bucketed(ladder: Sequence[int], count: Int[Array, ""],
-                 work: Callable[..., Any], *operands: Any) -> tuple[Int[Array, ""], Any]:
-    """Run ``work(size, *operands)`` for the smallest bucket holding ``count``; returns the bucket's
-    index and ``work``'s result (which must have the same shape for every size)."""
-    index = bucket_index(count, ladder)
-    branches = [lambda *ops, size=size: work(size, *ops) for size in ladder]
-    return index, jax.lax.switch(index, branches, *operands)
+class Compaction:
+    """The kept rows of a flat token axis, and the bucket of ``ladder`` they run in.
+
+    :meth:`run` calls ``work(rows, valid, *operands)`` with the first ``size`` compacted row
+    indices of the chosen bucket and their validity mask (padding rows are False); every bucket's
+    ``work`` must return the same shapes. The same compaction can run several times (once per
+    layer, say) and always picks the same bucket.
+    """
+
+    def __init__(self, keep: Bool[Array, "t"], ladder: Sequence[int]):
+        self.rows, self.count = compact(keep)
+        self.ladder = tuple(ladder)
+        self.index = bucket_index(self.count, self.ladder)
+
+    def run(self, work: Callable[..., Any], *operands: Any) -> Any:
+        def branch(size: int) -> Callable[..., Any]:
+            return lambda *ops: work(self.rows[:size], jnp.arange(size) < self.count, *ops)
+
+        return jax.lax.switch(self.index, [branch(size) for size in self.ladder], *operands)

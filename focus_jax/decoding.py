@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Int
 
 from focus_jax import focus
 from focus_jax.cache import KVCache
-from focus_jax.compaction import compact, run_bucketed
+from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
 from focus_jax.unmasking import Sampler, unmask
@@ -203,8 +203,7 @@ def step(model: Decoder, state: DecodeState,
     def write(cache: KVCache, layer, rows, valid, k, v) -> KVCache:
         return cache.write(layer, jnp.where(valid, rows // b, s), position[rows], k, v)
 
-    def first_layers(size: int, rows, count, cache: KVCache):
-        rows, valid = rows[:size], jnp.arange(size) < count
+    def first_layers(rows, valid, cache: KVCache):
         layer0, layer1 = model.layer(0), model.layer(1)
         x = model.embed_tokens(state.tokens.reshape(flat)[rows])
         q0, k0, v0 = layer0.qkv(x, position[rows])
@@ -215,9 +214,8 @@ def step(model: Decoder, state: DecodeState,
         outputs = [x, q1] + ([q0, k0, k1] if settings.mode == "focus" else [])
         return cache, [_to_blocks(o, rows, valid, flat) for o in outputs]
 
-    rows, count = compact(processed.reshape(flat))
-    processed_bucket, (cache, outputs) = run_bucketed(
-        settings.processed_ladder, count, first_layers, rows, count, state.cache)
+    processed_rows = Compaction(processed.reshape(flat), settings.processed_ladder)
+    cache, outputs = processed_rows.run(first_layers, state.cache)
     hidden, q1 = outputs[:2]
 
     if settings.mode == "focus":
@@ -236,27 +234,38 @@ def step(model: Decoder, state: DecodeState,
     kv_len_retained = state.history + rightmost_retained + 1
     step_key, next_key = jax.random.split(state.rng)
 
-    def last_layers(size: int, rows, count, cache: KVCache):
-        rows, valid = rows[:size], jnp.arange(size) < count
-        x = model.layer(1).finish(hidden[rows], attend(q1[rows], rows, valid, cache, 1,
-                                                       kv_len_retained))
+    # The retained tokens finish layer 1, then run layers >= 2. The layer scan is outside the
+    # bucket switch (a switch per layer, all picking the same bucket): a loop inside a switch
+    # would make XLA copy the whole KV cache in and out of it every step.
+    retained_rows = Compaction(retained.reshape(flat), settings.retained_ladder)
 
-        def body(layer, carry, _):
-            x, cache, layer_index = carry
+    def finish_layer1(rows, valid, cache: KVCache):
+        x = model.layer(1).finish(hidden[rows],
+                                  attend(q1[rows], rows, valid, cache, 1, kv_len_retained))
+        return _to_blocks(x, rows, valid, flat)
+
+    def later_layer(layer, carry, _):
+        x_flat, cache, layer_index = carry
+
+        def work(rows, valid, x_flat, cache: KVCache):
+            x = x_flat[rows]
             q, k, v = layer.qkv(x, position[rows])
             cache = write(cache, layer_index, rows, valid, k, v)
             x = layer.finish(x, attend(q, rows, valid, cache, layer_index, kv_len_retained))
-            return (x, cache, layer_index + 1), None
+            return x_flat.at[jnp.where(valid, rows, flat)].set(x, mode="drop"), cache
 
-        (x, cache, _), _ = model.scan_layers(body, (x, cache, 2), start=2,
-                                             unroll=settings.unroll_layers)
+        x_flat, cache = retained_rows.run(work, x_flat, cache)
+        return (x_flat, cache, layer_index + 1), None
+
+    def head(rows, valid, x_flat):
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(rows)
-        token, confidence = settings.sampler(model.head(x), keys)
-        return cache, _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
+        token, confidence = settings.sampler(model.head(x_flat[rows]), keys)
+        return _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
 
-    rows, count = compact(retained.reshape(flat))
-    retained_bucket, (cache, token, confidence) = run_bucketed(
-        settings.retained_ladder, count, last_layers, rows, count, cache)
+    x_flat = retained_rows.run(finish_layer1, cache)
+    (x_flat, cache, _), _ = model.scan_layers(later_layer, (x_flat, cache, 2), start=2,
+                                              unroll=settings.unroll_layers)
+    token, confidence = retained_rows.run(head, x_flat)
 
     candidates = retained & masked & decoding[:, None]
     chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
@@ -285,8 +294,8 @@ def step(model: Decoder, state: DecodeState,
         cache=cache,
     )
     log = StepLog(processed=processed, retained=retained, decoded=chosen,
-                  live=decoding | committing, processed_bucket=processed_bucket,
-                  retained_bucket=retained_bucket)
+                  live=decoding | committing, processed_bucket=processed_rows.index,
+                  retained_bucket=retained_rows.index)
     return state, log
 
 
