@@ -1,7 +1,7 @@
 """A deterministic suite of small tasks with exact-match answers, for training and evaluation.
 
-Six tasks of graded difficulty: copying, reversal, sorting, key-value recall, multi-digit addition
-and templated word problems. Every example is a function of ``(task, seed, index)``; an example
+Seven tasks of graded difficulty: copying, reversal, sorting, key-value recall, multi-digit
+addition, templated word problems and prefix sums. Every example is a function of ``(task, seed, index)``; an example
 belongs to the held-out split when a hash of its question says so, and the training stream
 skips those, so no held-out question is ever trained on.
 """
@@ -69,9 +69,17 @@ def _word_problem(rng: random.Random) -> tuple[str, str]:
     return (f"{name} has {a} {item} and gives away {b}. How many {item} are left?", str(a - b))
 
 
+def _prefix_sums(rng: random.Random) -> tuple[str, str]:
+    # Each output number depends on the one before it: decoded left to right, a few per step,
+    # like natural text, unlike copying (the dynamics FOCUS exists for).
+    numbers = [rng.randint(1, 30) for _ in range(rng.randint(4, 7))]
+    sums = [sum(numbers[:i + 1]) for i in range(len(numbers))]
+    return f"Prefix sums: {' '.join(map(str, numbers))}", " ".join(map(str, sums))
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "copy": _copy, "reverse": _reverse, "sort": _sort, "recall": _recall, "add": _add,
-    "word_problem": _word_problem,
+    "word_problem": _word_problem, "prefix_sums": _prefix_sums,
 }
 
 

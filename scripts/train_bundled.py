@@ -24,8 +24,8 @@ from focus_jax.models.qwen3 import Decoder
 from focus_jax.train import TaskSource, TrainConfig, train
 from focus_jax.train.tokenizer import train_bpe
 
-BLOCK_SIZE = 8
-SEQ_LEN = 48
+BLOCK_SIZE = 16
+SEQ_LEN = 64
 
 
 def build_tokenizer(vocab_size: int = 512):
@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--max-seconds", type=float, default=None)
     parser.add_argument("--eval-per-task", type=int, default=50)
+    parser.add_argument("--truncate-prob", type=float, default=0.5,
+                        help="share of blocks trained with a truncated in-block view (FOCUS)")
     parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
     args = parser.parse_args()
 
@@ -80,7 +82,8 @@ def main() -> None:
     source = TaskSource(model, args.batch_size, SEQ_LEN)
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=BLOCK_SIZE,
-                            max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100)
+                            max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,
+                            truncate_prob=args.truncate_prob)
     trained = train(model, source, train_cfg, args.out / "run", resume=True)
     export(trained, args.out / "focus-tiny")
     if args.eval_per_task:

@@ -6,7 +6,6 @@ batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from pathlib import Path
@@ -30,7 +29,7 @@ def encode_pair(model: Model, prompt: str, response: str, length: int) -> tuple[
     starts. None if the pair does not fit."""
     tokenizer = model.tokenizer
     prompt_ids = encode_prompt(model, prompt)
-    response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+    response_ids = [*tokenizer.encode(response, add_special_tokens=False), tokenizer.eos_token_id]
     if len(prompt_ids) + len(response_ids) > length:
         return None
     ids = prompt_ids + response_ids
@@ -85,6 +84,7 @@ class PairSource:
         self.batch_size, self.length, self.seed = batch_size, length, seed
         self.pairs: list[tuple[list[int], int]] = []
         self.dropped = 0
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
         for number, line in enumerate(Path(path).read_text().splitlines(), 1):
             if not line.strip():
                 continue
@@ -101,11 +101,12 @@ class PairSource:
             raise ValueError(f"{path}: no usable pairs (dropped {self.dropped} longer than "
                              f"{length} tokens)")
 
-    @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.pairs)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self.pairs)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         chosen = []

@@ -18,6 +18,12 @@ Diffusion-AutoRegression Paradigm", 2025), with the masked-diffusion ELBO weight
 
 Only the response of a (prompt, response) pair is trainable: prompt tokens stay clean in the
 noisy copy, as prompt slots of the active block stay unmasked at inference.
+
+Our addition, ``truncate_prob``: with that probability a block's noisy tokens see the noisy
+tokens of their block only up to a random cut-off slot (and only those up to it are scored).
+Under FOCUS, retained tokens attend up to the rightmost retained slot (SPEC_FOCUS 5-6), so the
+model meets such truncated blocks at inference; training on them keeps it from, for example,
+repeating the last token of an answer whose end it can no longer see.
 """
 
 from __future__ import annotations
@@ -29,16 +35,29 @@ from jaxtyping import Array, Bool, Float, Int
 from focus_jax.models.qwen3 import Decoder, forward_hidden
 
 
-def block_diffusion_mask(length: int, block_size: int) -> Bool[Array, "2l 2l"]:
-    """Attention mask over ``[noisy copy, clean copy]``: True where a query sees a key."""
+def block_diffusion_mask(length: int, block_size: int,
+                         cutoff: Int[Array, "... blocks"] | None = None) -> Bool[Array, "... 2l 2l"]:
+    """Attention mask over ``[noisy copy, clean copy]``: True where a query sees a key.
+
+    ``cutoff`` (per block, optionally batched): noisy keys past that slot of their block are
+    hidden from the block's noisy queries.
+    """
     block = jnp.arange(length) // block_size
-    same = block[:, None] == block[None, :]
-    before = block[None, :] < block[:, None]
-    at_or_before = block[None, :] <= block[:, None]
+    noisy_to_noisy = block[:, None] == block[None, :]
+    if cutoff is not None:
+        visible = jnp.arange(length) % block_size <= jnp.repeat(cutoff, block_size, axis=-1)
+        noisy_to_noisy = noisy_to_noisy & visible[..., None, :]
+    noisy_to_clean = block[None, :] < block[:, None]
+    clean_to_clean = block[None, :] <= block[:, None]
     never = jnp.zeros((length, length), bool)
-    top = jnp.concatenate([same, before], axis=1)          # noisy queries
-    bottom = jnp.concatenate([never, at_or_before], axis=1)  # clean queries
-    return jnp.concatenate([top, bottom], axis=0)
+    batch = noisy_to_noisy.shape[:-2]
+
+    def full(part: Array) -> Array:
+        return jnp.broadcast_to(part, (*batch, length, length))
+
+    top = jnp.concatenate([full(noisy_to_noisy), full(noisy_to_clean)], axis=-1)
+    bottom = jnp.concatenate([full(never), full(clean_to_clean)], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
 
 
 def noise(tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array, block_size: int,
@@ -53,15 +72,27 @@ def noise(tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array, 
 
 
 def loss(model: Decoder, tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array,
-         block_size: int, mask_token_id: int) -> tuple[Float[Array, ""], dict[str, Array]]:
+         block_size: int, mask_token_id: int,
+         truncate_prob: float = 0.0) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The block-diffusion loss of a batch, and metrics (masked-token accuracy, masked count)."""
-    length = tokens.shape[1]
+    b, length = tokens.shape
     if length % block_size:
         raise ValueError(f"sequence length {length} must be a multiple of the block size")
-    noisy, masked, t = noise(tokens, trainable, key, block_size, mask_token_id)
+    noise_key, cut_key, pick_key = jax.random.split(key, 3)
+    noisy, masked, t = noise(tokens, trainable, noise_key, block_size, mask_token_id)
+    if truncate_prob > 0:
+        blocks = length // block_size
+        cutoff = jax.random.randint(cut_key, (b, blocks), 0, block_size)
+        truncated = jax.random.uniform(pick_key, (b, blocks)) < truncate_prob
+        cutoff = jnp.where(truncated, cutoff, block_size - 1)
+        mask = block_diffusion_mask(length, block_size, cutoff)
+        masked = masked & ((jnp.arange(length) % block_size)
+                           <= jnp.repeat(cutoff, block_size, axis=1))
+    else:
+        mask = block_diffusion_mask(length, block_size)
     inputs = jnp.concatenate([noisy, tokens], axis=1)
     positions = jnp.broadcast_to(jnp.tile(jnp.arange(length), 2), inputs.shape)
-    hidden, _ = forward_hidden(model, inputs, positions, block_diffusion_mask(length, block_size))
+    hidden, _ = forward_hidden(model, inputs, positions, mask)
     logits = model.head(hidden[:, :length])
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]

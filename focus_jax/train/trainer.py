@@ -32,6 +32,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     block_size: int = 8
     compute_dtype: str = "bfloat16"
+    truncate_prob: float = 0.0
+    """Probability of a truncated in-block view per block (see ``objective``)."""
     seed: int = 0
     log_every: int = 50
     checkpoint_every: int = 500
@@ -55,18 +57,19 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
 def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, block_size: int,
-                mask_token_id_and_dtype: tuple[int, str], params: Any, opt_state: Any,
+                options: tuple[int, str, float], params: Any, opt_state: Any,
                 tokens: jax.Array, trainable: jax.Array, key: jax.Array):
-    mask_token_id, compute_dtype = mask_token_id_and_dtype
+    mask_token_id, compute_dtype, truncate_prob = options
 
     def objective(params):
         cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-        return loss(nnx.merge(graphdef, cast), tokens, trainable, key, block_size, mask_token_id)
+        return loss(nnx.merge(graphdef, cast), tokens, trainable, key, block_size, mask_token_id,
+                    truncate_prob)
 
     (value, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": value, "grad_norm": optax.global_norm(grads), **metrics}
+    return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **metrics}
 
 
 def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Path, *,
@@ -79,7 +82,8 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tx = optimizer(cfg)
-    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), nnx.to_pure_dict(model.params))
+    # A copy: the training step donates (overwrites) its parameters, the model keeps its own.
+    params = jax.tree.map(lambda p: jnp.array(p, jnp.float32), nnx.to_pure_dict(model.params))
     opt_state = tx.init(params)
     manager = ocp.CheckpointManager(out / "train_state",
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -91,7 +95,7 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
         params, opt_state = restored["params"], restored["opt_state"]
 
     mask_id = model.mask_token_id
-    static = (mask_id, cfg.compute_dtype)
+    static = (mask_id, cfg.compute_dtype, cfg.truncate_prob)
     base_key = jax.random.key(cfg.seed)
     log = (out / "log.jsonl").open("a")
     began = time.perf_counter()

@@ -1,0 +1,98 @@
+"""The block-diffusion objective, the data pipeline and the training loop (resume)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focus_jax import tasks
+from focus_jax.testing import tiny_model
+from focus_jax.train import TaskSource, TrainConfig, block_diffusion_mask, train
+from focus_jax.train.objective import loss
+
+
+def test_block_diffusion_mask_by_hand():
+    mask = np.asarray(block_diffusion_mask(4, 2))
+    noisy, clean = slice(0, 4), slice(4, 8)
+    # Noisy block 1 (positions 2-3) sees noisy block 1 and clean block 0 only.
+    assert mask[2, noisy].tolist() == [False, False, True, True]
+    assert mask[2, clean].tolist() == [True, True, False, False]
+    # Clean tokens are block-causal over the clean copy and never see the noisy copy.
+    assert mask[4 + 1, clean].tolist() == [True, True, False, False]
+    assert not mask[clean, noisy].any()
+
+
+def test_truncated_view_hides_later_noisy_slots_of_the_block():
+    mask = np.asarray(block_diffusion_mask(4, 2, jnp.array([[1, 0]])))[0]
+    assert mask[2, 0:4].tolist() == [False, False, True, False]  # slot 3 hidden in block 1
+    assert mask[0, 0:4].tolist() == [True, True, False, False]   # block 0 untouched
+
+
+def test_loss_ignores_prompt_tokens_and_padding_mask_is_respected():
+    model = tiny_model(tokenizer=True, block_size=4)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(5, 100, size=(2, 8)), jnp.int32)
+    nothing = jnp.zeros((2, 8), bool)
+    value, metrics = loss(model.module(), tokens, nothing, jax.random.key(0), 4, 2)
+    assert float(value) == 0.0 and int(metrics["masked_tokens"]) == 0
+    everything = jnp.ones((2, 8), bool)
+    value, metrics = loss(model.module(), tokens, everything, jax.random.key(0), 4, 2)
+    assert float(value) > 0 and int(metrics["masked_tokens"]) > 0
+
+
+def test_held_out_questions_never_appear_in_training_batches():
+    model = tiny_model(tokenizer=True, block_size=8)
+    source = TaskSource(model, batch_size=16, length=120)
+    held = {ex.question for ex in tasks.held_out(20)}
+    seen = {source.example(i).question for i in range(2000)}
+    assert held and not (held & seen)
+    tokens, trainable = source.batch(3)
+    again, _ = source.batch(3)
+    np.testing.assert_array_equal(tokens, again)  # a batch is a function of its index
+    assert trainable.any(axis=1).all() and not trainable.all(axis=1).any()
+
+
+def params_of(model):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
+
+
+def test_resumed_training_equals_uninterrupted_training(tmp_path):
+    model = tiny_model(tokenizer=True, block_size=8)
+    source = TaskSource(model, batch_size=4, length=120)
+    cfg = TrainConfig(steps=4, warmup_steps=1, block_size=8, checkpoint_every=2, log_every=1,
+                      compute_dtype="float32", truncate_prob=0.5)
+    straight = train(model, source, cfg, tmp_path / "a", progress=False)
+    train(model, source, cfg.__class__(**{**cfg.__dict__, "steps": 2}), tmp_path / "b",
+          progress=False)
+    resumed = train(model, source, cfg, tmp_path / "b", progress=False)
+    for a, b in zip(jax.tree.leaves(params_of(straight)), jax.tree.leaves(params_of(resumed)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "a" / "model" / "params").is_dir()
+    assert not np.allclose(jax.tree.leaves(params_of(model))[0],
+                           jax.tree.leaves(params_of(straight))[0])
+
+
+def test_fine_tuning_on_user_pairs_lowers_the_loss(tmp_path):
+    import json
+
+    from focus_jax.train import PairSource
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"say {w}", "response": w})
+                              for w in ["hi", "yo", "ok", "no"]) + "\n")
+    model = tiny_model(tokenizer=True, block_size=8)
+    source = PairSource(model, data, batch_size=4, length=24)
+    cfg = TrainConfig(steps=30, warmup_steps=2, learning_rate=3e-3, block_size=8, log_every=1,
+                      compute_dtype="float32")
+    train(model, source, cfg, tmp_path / "run", progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    first, last = np.mean([r["loss"] for r in log[:5]]), np.mean([r["loss"] for r in log[-5:]])
+    assert last < first
+
+
+def test_bad_pair_file_is_a_clear_error(tmp_path):
+    from focus_jax.train import PairSource
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="'prompt' and 'response'"):
+        PairSource(tiny_model(tokenizer=True), bad, batch_size=2, length=16)
