@@ -53,7 +53,7 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     if cache_len is None and block:
         # Rounded up to B * 2^k so that repeated calls reuse compiled programs.
         needed = longest + config.max_new_tokens
-        cache_len = next(size for size in prompt_buckets(block, needed * 2) if size >= needed)
+        cache_len = next(size for size in prompt_buckets(block, needed * 2, growth=2) if size >= needed)
     if cache_len is not None and longest + config.max_new_tokens > model.config.max_position_embeddings:
         raise ConfigError(
             f"prompt of {longest} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "

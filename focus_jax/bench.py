@@ -104,7 +104,7 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
                                   stop_token_ids=(), **generation)
         engine = Engine(model, config, slots=batch, cache_len=cache_len)
         start = time.perf_counter()
-        engine.warmup()
+        engine.warmup(prompt_lengths=lengths)
         compile_seconds = time.perf_counter() - start
         for prompt in prompts:
             engine.submit(prompt)

@@ -126,7 +126,7 @@ def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
 
 def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
             length: Int[Array, "n"], slot: Int[Array, "n"], max_new: Int[Array, "n"],
-            settings: DecodeSettings) -> DecodeState:
+            block_size: int, mask_token_id: int) -> DecodeState:
     """Start requests in slots (SPEC 2): write the KV of every full prompt block but the last.
 
     ``tokens`` are prompts right-padded to a common length (a multiple of B); rows whose ``slot``
@@ -134,7 +134,7 @@ def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
     fresh block when the prompt fills its blocks) becomes the active block, its prompt positions
     ``UNMASKED``.
     """
-    b, mask = settings.block_size, settings.mask_token_id
+    b, mask = block_size, mask_token_id
     n, t = tokens.shape
     history = (length // b) * b
     _, (k, v) = forward(model, tokens, b)

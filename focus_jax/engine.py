@@ -98,12 +98,15 @@ class RequestError(ValueError):
     """A request the engine cannot serve (the message says why); other requests go on."""
 
 
-def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
-    """Padded prompt lengths: ``B * 2^k`` up to the cache length, and the cache length itself."""
+def prompt_buckets(block_size: int, positions: int, growth: int = 4) -> tuple[int, ...]:
+    """Padded lengths ``B * growth^k`` below ``positions``, and ``positions`` itself.
+
+    Prefill pads prompts to these (few buckets: few compilations, some padding).
+    """
     sizes, size = {positions}, block_size
     while size < positions:
         sizes.add(size)
-        size *= 2
+        size *= growth
     return tuple(sorted(sizes))
 
 
@@ -156,16 +159,21 @@ class Engine:
         self._slot_request: list[_Request | None] = [None] * slots
         self._results: dict[int, Result] = {}
         self._next_id = 0
-        self._prefill = functools.partial(_prefill, model.graphdef, self.settings)
+        self._prefill = functools.partial(_prefill, model.graphdef, block,
+                                          self.settings.mask_token_id)
         self._round = functools.partial(_round, model.graphdef, self.settings,
                                         config.steps_per_round)
 
-    def warmup(self) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need (the decode round, with all its bucket branches,
-        and prefill at every prompt-length bucket), so that serving never compiles mid-way."""
+        and prefill at every prompt-length bucket, or at the buckets of ``prompt_lengths`` when
+        they are known), so that serving never compiles mid-way."""
         if any(r is not None for r in self._slot_request):
             raise RuntimeError("warmup() must run before requests are started")
-        for length in prompt_buckets(self.block_size, self.cache_len):
+        buckets = prompt_buckets(self.block_size, self.cache_len)
+        if prompt_lengths is not None:
+            buckets = sorted({self._prompt_bucket(n) for n in prompt_lengths})
+        for length in buckets:
             # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
             self._run_prefill(np.zeros((self.prefill_batch, length), np.int32),
                               np.ones((self.prefill_batch,), np.int32),
@@ -234,8 +242,7 @@ class Engine:
     def _prefill_batch(self, batch: list[_Request], slots: list[int]) -> None:
         n = self.prefill_batch
         longest = max(len(r.prompt) for r in batch)
-        length = next(size for size in prompt_buckets(self.block_size, self.cache_len)
-                      if size >= longest)
+        length = self._prompt_bucket(longest)
         tokens = np.full((n, length), self.settings.mask_token_id, np.int32)
         lengths = np.zeros((n,), np.int32)
         slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
@@ -244,6 +251,10 @@ class Engine:
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], slot_ids[row], max_new[row] = len(request.prompt), slot, request.max_new_tokens
         self._run_prefill(tokens, lengths, slot_ids, max_new)
+
+    def _prompt_bucket(self, length: int) -> int:
+        return next(size for size in prompt_buckets(self.block_size, self.cache_len)
+                    if size >= length)
 
     def _run_prefill(self, tokens: np.ndarray, lengths: np.ndarray, slot_ids: np.ndarray,
                      max_new: np.ndarray) -> None:
@@ -310,11 +321,11 @@ class Engine:
 
 # Compiled programs are cached by (graphdef, settings, shapes), so engines with the same settings
 # share them; the decode state is donated (updated in place).
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, params: nnx.State,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _prefill(graphdef: nnx.GraphDef, block_size: int, mask_token_id: int, params: nnx.State,
              state: decoding.DecodeState, tokens, length, slot, max_new) -> decoding.DecodeState:
     return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot, max_new,
-                            settings)
+                            block_size, mask_token_id)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))

@@ -48,7 +48,7 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
     prompts = [encode_prompt(model, ex.question) for ex in examples]
     block = model.config.block_size or 8
     needed = max(len(p) for p in prompts) + max_new_tokens
-    cache_len = next(size for size in prompt_buckets(block, 2 * needed) if size >= needed)
+    cache_len = next(size for size in prompt_buckets(block, 2 * needed, growth=2) if size >= needed)
     reports = []
     layers = model.config.num_layers
     for mode in modes:
