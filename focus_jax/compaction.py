@@ -49,6 +49,7 @@ class Compaction:
     """
 
     def __init__(self, keep: Bool[Array, "t"], ladder: Sequence[int]):
+        self.keep = keep
         self.rows, self.count = compact(keep)
         self.ladder = tuple(ladder)
         self.index = bucket_index(self.count, self.ladder)

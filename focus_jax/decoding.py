@@ -196,30 +196,38 @@ def step(model: Decoder, state: DecodeState,
     kv_len_processed = state.history + _rightmost(processed) + 1
 
     position = (state.history[:, None] + index).reshape(flat)
-    attend = lambda q, rows, valid, cache, layer, kv_len: ragged_attention(
-        q, rows, valid, cache.k, cache.v, layer, kv_len, block_size=b,
-        impl=settings.attention_impl)
+    slot_of_row = jnp.arange(flat) // b
 
-    def write(cache: KVCache, layer, rows, valid, k, v) -> KVCache:
-        return cache.write(layer, jnp.where(valid, rows // b, s), position[rows], k, v)
+    # Each layer runs in two bucketed halves with the cache write between them, outside the
+    # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
+    # whole cache per branch. Rows live in the flat [S*B] layout between the halves.
+    def project(rows_of: Compaction, layer, layer_index, x_flat, cache: KVCache):
+        def work(rows, valid, x_flat):
+            q, k, v = layer.qkv(x_flat[rows], position[rows])
+            return tuple(_to_blocks(a, rows, valid, flat) for a in (q, k, v))
 
-    def first_layers(rows, valid, cache: KVCache):
-        layer0, layer1 = model.layer(0), model.layer(1)
-        x = model.embed_tokens(state.tokens.reshape(flat)[rows])
-        q0, k0, v0 = layer0.qkv(x, position[rows])
-        cache = write(cache, 0, rows, valid, k0, v0)
-        x = layer0.finish(x, attend(q0, rows, valid, cache, 0, kv_len_processed))
-        q1, k1, v1 = layer1.qkv(x, position[rows])
-        cache = write(cache, 1, rows, valid, k1, v1)
-        outputs = [x, q1] + ([q0, k0, k1] if settings.mode == "focus" else [])
-        return cache, [_to_blocks(o, rows, valid, flat) for o in outputs]
+        q, k, v = rows_of.run(work, x_flat)
+        target = jnp.where(rows_of.keep, slot_of_row, s)  # rows not kept write nothing
+        return q, k, cache.write(layer_index, target, position, k, v)
+
+    def attend_and_finish(rows_of: Compaction, layer, layer_index, x_flat, q, cache: KVCache,
+                          kv_len):
+        def work(rows, valid, x_flat, q, cache: KVCache):
+            attn = ragged_attention(q[rows], rows, valid, cache.k, cache.v, layer_index, kv_len,
+                                    block_size=b, impl=settings.attention_impl)
+            x = layer.finish(x_flat[rows], attn)
+            return x_flat.at[jnp.where(valid, rows, flat)].set(x, mode="drop")
+
+        return rows_of.run(work, x_flat, q, cache)
 
     processed_rows = Compaction(processed.reshape(flat), settings.processed_ladder)
-    cache, outputs = processed_rows.run(first_layers, state.cache)
-    hidden, q1 = outputs[:2]
+    layer0, layer1 = model.layer(0), model.layer(1)
+    x = model.embed_tokens(state.tokens.reshape(flat))
+    q0, k0, cache = project(processed_rows, layer0, 0, x, state.cache)
+    x = attend_and_finish(processed_rows, layer0, 0, x, q0, cache, kv_len_processed)
+    q1, k1, cache = project(processed_rows, layer1, 1, x, cache)
 
     if settings.mode == "focus":
-        q0, k0, k1 = outputs[2:]
         blocks = lambda a: a.reshape(s, b, *a.shape[1:])
         masked_processed = processed & masked
         delta = (focus.importance(blocks(q1), blocks(k1), masked_processed)
@@ -234,38 +242,25 @@ def step(model: Decoder, state: DecodeState,
     kv_len_retained = state.history + rightmost_retained + 1
     step_key, next_key = jax.random.split(state.rng)
 
-    # The retained tokens finish layer 1, then run layers >= 2. The layer scan is outside the
-    # bucket switch (a switch per layer, all picking the same bucket): a loop inside a switch
-    # would make XLA copy the whole KV cache in and out of it every step.
+    # Retained tokens finish layer 1 (evicted ones stop here), then run layers >= 2.
     retained_rows = Compaction(retained.reshape(flat), settings.retained_ladder)
-
-    def finish_layer1(rows, valid, cache: KVCache):
-        x = model.layer(1).finish(hidden[rows],
-                                  attend(q1[rows], rows, valid, cache, 1, kv_len_retained))
-        return _to_blocks(x, rows, valid, flat)
+    x = attend_and_finish(retained_rows, layer1, 1, x, q1, cache, kv_len_retained)
 
     def later_layer(layer, carry, _):
-        x_flat, cache, layer_index = carry
+        x, cache, layer_index = carry
+        q, _, cache = project(retained_rows, layer, layer_index, x, cache)
+        x = attend_and_finish(retained_rows, layer, layer_index, x, q, cache, kv_len_retained)
+        return (x, cache, layer_index + 1), None
 
-        def work(rows, valid, x_flat, cache: KVCache):
-            x = x_flat[rows]
-            q, k, v = layer.qkv(x, position[rows])
-            cache = write(cache, layer_index, rows, valid, k, v)
-            x = layer.finish(x, attend(q, rows, valid, cache, layer_index, kv_len_retained))
-            return x_flat.at[jnp.where(valid, rows, flat)].set(x, mode="drop"), cache
-
-        x_flat, cache = retained_rows.run(work, x_flat, cache)
-        return (x_flat, cache, layer_index + 1), None
+    (x, cache, _), _ = model.scan_layers(later_layer, (x, cache, 2), start=2,
+                                         unroll=settings.unroll_layers)
 
     def head(rows, valid, x_flat):
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(rows)
         token, confidence = settings.sampler(model.head(x_flat[rows]), keys)
         return _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
 
-    x_flat = retained_rows.run(finish_layer1, cache)
-    (x_flat, cache, _), _ = model.scan_layers(later_layer, (x_flat, cache, 2), start=2,
-                                              unroll=settings.unroll_layers)
-    token, confidence = retained_rows.run(head, x_flat)
+    token, confidence = retained_rows.run(head, x)
 
     candidates = retained & masked & decoding[:, None]
     chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
