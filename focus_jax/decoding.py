@@ -256,8 +256,7 @@ def step(model: Decoder, state: DecodeState,
                                          unroll=settings.unroll_layers)
 
     def head(rows, valid, x_flat):
-        keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(rows)
-        token, confidence = settings.sampler(model.head(x_flat[rows]), keys)
+        token, confidence = _choose_tokens(model, settings.sampler, x_flat, rows, step_key)
         return _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
 
     token, confidence = retained_rows.run(head, x)
@@ -292,6 +291,25 @@ def step(model: Decoder, state: DecodeState,
                   live=decoding | committing, processed_bucket=processed_rows.index,
                   retained_bucket=retained_rows.index)
     return state, log
+
+
+HEAD_CHUNK = 512
+
+
+def _choose_tokens(model: Decoder, sampler: Sampler, x_flat: Array, rows: Int[Array, "n"],
+                   key: Array) -> tuple[Int[Array, "n"], Array]:
+    """LM head and sampling for ``rows``, ``HEAD_CHUNK`` rows at a time: float32 logits of a
+    large vocabulary for every row at once would take gigabytes (and several temporaries)."""
+    n = rows.shape[0]
+    chunks = -(-n // HEAD_CHUNK)
+    padded = jnp.pad(rows, (0, chunks * HEAD_CHUNK - n)).reshape(chunks, -1)
+
+    def chunk(rows_chunk):
+        keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_chunk)
+        return sampler(model.head(x_flat[rows_chunk]), keys)
+
+    token, confidence = jax.lax.map(chunk, padded)
+    return token.reshape(-1)[:n], confidence.reshape(-1)[:n]
 
 
 def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"], tokens: Int[Array, "s b"],
