@@ -1,4 +1,5 @@
-"""The ``focus-jax`` command line: ``generate``, ``convert``, ``demo`` (and more as they land)."""
+"""The ``focus-jax`` command line: ``generate``, ``convert``, ``eval``, ``bench``, ``train``,
+``demo``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigEr
 from focus_jax.engine import RequestError, RunStats
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tiny"
-DEMO_PROMPTS = ("What is 12 + 30?", "Reverse the word 'focus'.")
+DEMO_PROMPTS = ("Add: 358+427", "Reverse: f o c u s", "Ana has 12 apples and gets 9 more. "
+                "How many apples does Ana have?")
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +154,58 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from focus_jax import evaluate, tasks
+
+    model = load_model(args.model, args.dtype)
+    names = tuple(args.tasks.split(","))
+    unknown = [t for t in names if t not in tasks.TASKS]
+    if unknown:
+        raise ConfigError(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")
+    reports = evaluate.evaluate(model, tasks.held_out(args.per_task, tasks=names),
+                                args.modes.split(","), max_batch=args.max_batch,
+                                max_new_tokens=args.max_new_tokens, alpha=args.alpha,
+                                progress=True)
+    table = evaluate.markdown(reports)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from focus_jax import bench
+
+    model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
+    print(f"{'mode':8s} {'batch':>5s} {'tok/s':>9s} {'step ms':>8s} {'processed':>9s} "
+          f"{'retained':>8s} {'decoded':>7s}")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
+                           args.max_new_tokens, progress=False):
+            print(f"{r.mode:8s} {batch:5d} {r.tokens_per_second:9.1f} {r.step_ms:8.2f} "
+                  f"{r.processed_per_step:9.1f} {r.retained_per_step:8.1f} "
+                  f"{r.decoded_per_step:7.2f}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from focus_jax.train import PairSource, TrainConfig, train
+
+    model = load_model(args.model, "float32")
+    block = args.block_size or model.config.block_size
+    if block is None:
+        raise ConfigError("the model names no block_size: pass --block-size")
+    source = PairSource(model, args.data, args.batch_size, args.seq_len, seed=args.seed)
+    if source.dropped:
+        print(f"note: {source.dropped} pairs longer than {args.seq_len} tokens were dropped",
+              file=sys.stderr)
+    cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate, block_size=block,
+                      warmup_steps=min(100, args.steps // 10), seed=args.seed)
+    train(model, source, cfg, args.out)
+    print(f"wrote {Path(args.out) / 'model'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="focus-jax", description=(
         "Block-diffusion language models in JAX with FOCUS eviction."))
@@ -170,6 +224,41 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     conv.set_defaults(func=cmd_convert)
 
+    ev = sub.add_parser("eval", help="exact match and compute of the modes on held-out tasks")
+    ev.add_argument("--model", type=Path, default=None)
+    ev.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    ev.add_argument("--per-task", type=int, default=50)
+    ev.add_argument("--tasks", default="copy,reverse,sort,recall,add,word_problem")
+    ev.add_argument("--modes", default="baseline,delayed,focus")
+    ev.add_argument("--alpha", type=float, default=1.5)
+    ev.add_argument("--max-batch", type=int, default=64)
+    ev.add_argument("--max-new-tokens", type=int, default=32)
+    ev.add_argument("--markdown", help="also write the tables to this file")
+    ev.set_defaults(func=cmd_eval)
+
+    be = sub.add_parser("bench", help="closed-loop throughput of the modes")
+    be.add_argument("--geometry", choices=("sdar-1.7b", "sdar-8b"), default=None,
+                    help="random weights of this geometry (else --model)")
+    be.add_argument("--model", type=Path, default=None)
+    be.add_argument("--batches", default="32")
+    be.add_argument("--requests-per-slot", type=int, default=1)
+    be.add_argument("--max-new-tokens", type=int, default=1024)
+    be.add_argument("--modes", default="baseline,delayed,focus")
+    be.set_defaults(func=cmd_bench)
+
+    tr = sub.add_parser("train", help="fine-tune a model on (prompt, response) pairs")
+    tr.add_argument("--model", type=Path, required=True)
+    tr.add_argument("--data", type=Path, required=True,
+                    help='JSON lines: {"prompt": ..., "response": ...}')
+    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--steps", type=int, default=1000)
+    tr.add_argument("--batch-size", type=int, default=16)
+    tr.add_argument("--seq-len", type=int, default=512)
+    tr.add_argument("--learning-rate", type=float, default=1e-5)
+    tr.add_argument("--block-size", type=int, default=None)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.set_defaults(func=cmd_train)
+
     demo = sub.add_parser("demo", help="generate for two sample prompts with the default model")
     demo.add_argument("--model", type=Path, default=None)
     demo.add_argument("--max-new-tokens", type=int, default=32)
@@ -181,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RequestError, FileNotFoundError) as err:
+    except (ConfigError, RequestError, FileNotFoundError, ValueError) as err:
         print(f"focus-jax: error: {err}", file=sys.stderr)
         return 2
 

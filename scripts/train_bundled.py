@@ -1,6 +1,9 @@
 """Train the bundled model: tokenizer, geometry and training run, then export and evaluate.
 
-    python scripts/train_bundled.py --out /tmp/bundle --max-seconds 420    # on the H200
+The bundled checkpoints/focus-tiny came from this command on one H200 (2026-11-30; it stopped
+at its time limit after 4,950 steps):
+
+    python scripts/train_bundled.py --out /tmp/bundle --steps 8000 --max-seconds 320
 
 The result folder is a Hugging Face style folder (config.json, safetensors shards of <= 15 MB,
 tokenizer files) that `focus_jax.load` reads; checkpoints/focus-tiny is a copy of it.
@@ -24,22 +27,19 @@ from focus_jax.models.qwen3 import Decoder
 from focus_jax.train import TaskSource, TrainConfig, train
 from focus_jax.train.tokenizer import train_bpe
 
-BLOCK_SIZE = 16
-SEQ_LEN = 64
 
-
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(task_names: tuple[str, ...] = tasks.SUITE, vocab_size: int = 512):
     texts = []
-    for example in itertools.islice(tasks.training_stream(seed=0), 60_000):
+    for example in itertools.islice(tasks.training_stream(0, task_names), 60_000):
         texts += [example.question, example.answer]
     return train_bpe(texts, vocab_size)
 
 
-def geometry(tokenizer, **overrides) -> ModelConfig:
+def geometry(tokenizer, block_size: int, **overrides) -> ModelConfig:
     vocab = -(-len(tokenizer) // 64) * 64
     fields = dict(vocab_size=vocab, hidden_size=384, intermediate_size=1024, num_layers=8,
                   num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10_000.0,
-                  max_position_embeddings=1024, tie_word_embeddings=True, block_size=BLOCK_SIZE,
+                  max_position_embeddings=1024, tie_word_embeddings=True, block_size=block_size,
                   mask_token_id=tokenizer.mask_token_id, model_type="qwen3", dtype="float32")
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -67,27 +67,32 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--max-seconds", type=float, default=None)
     parser.add_argument("--eval-per-task", type=int, default=50)
-    parser.add_argument("--truncate-prob", type=float, default=0.5,
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=48)
+    parser.add_argument("--tasks", default=",".join(tasks.SUITE))
+    parser.add_argument("--truncate-prob", type=float, default=0.0,
                         help="share of blocks trained with a truncated in-block view (FOCUS)")
     parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
     args = parser.parse_args()
 
-    tokenizer = build_tokenizer()
+    task_names = tuple(args.tasks.split(","))
+    tokenizer = build_tokenizer(task_names)
     overrides = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
                      head_dim=32) if args.small else {}
-    cfg = geometry(tokenizer, **overrides)
+    cfg = geometry(tokenizer, args.block_size, **overrides)
     model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
                                (tokenizer.eos_token_id,))
     print(f"parameters: {cfg.num_params / 1e6:.2f}M, vocab {cfg.vocab_size}")
-    source = TaskSource(model, args.batch_size, SEQ_LEN)
+    source = TaskSource(model, args.batch_size, args.seq_len, task_names=task_names)
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
-                            warmup_steps=min(200, args.steps // 10), block_size=BLOCK_SIZE,
+                            warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,
                             truncate_prob=args.truncate_prob)
     trained = train(model, source, train_cfg, args.out / "run", resume=True)
     export(trained, args.out / "focus-tiny")
     if args.eval_per_task:
-        reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task), max_batch=128)
+        reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task, tasks=task_names),
+                                    max_batch=128)
         table = evaluate.markdown(reports)
         print(table)
         (args.out / "eval.md").write_text(table + "\n")

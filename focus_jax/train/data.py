@@ -47,7 +47,7 @@ class TaskSource:
     """Batches drawn from the generated task suite (held-out questions never appear)."""
 
     def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
-                 task_names: tuple[str, ...] = tuple(tasks.TASKS)):
+                 task_names: tuple[str, ...] = tasks.SUITE):
         self.model, self.batch_size, self.length, self.seed = model, batch_size, length, seed
         self.task_names = task_names
 
