@@ -1,9 +1,10 @@
 """A deterministic suite of small tasks with exact-match answers, for training and evaluation.
 
 Tasks of graded difficulty: copying, reversal, sorting, key-value recall, multi-digit addition,
-templated word problems (the default suite) and prefix sums (an extra). Every example is a function of ``(task, seed, index)``; an example
-belongs to the held-out split when a hash of its question says so, and the training stream
-skips those, so no held-out question is ever trained on.
+templated word problems (the default suite) and prefix sums (an extra). Every example is a
+function of ``(task, seed, index)``; an example belongs to the held-out split when a hash of its
+question says so, and the training stream skips those, so no held-out question is ever trained
+on.
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@ def main() -> None:
     parser.add_argument("files", nargs="+")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    rows = [row for f in args.files for row in json.load(open(f))]
+    rows = []
+    for name in args.files:
+        with open(name) as f:
+            rows += json.load(f)
     groups = sorted({(r["model"], r["batch"]) for r in rows})
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(groups), 3.6))
     width = 0.8 / len(MODES)
