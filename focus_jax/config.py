@@ -221,6 +221,9 @@ class GenerationConfig:
     """Cache positions per slot (None: the longest prompt plus max_new_tokens, rounded up)."""
     bucket_ladder: tuple[float, ...] = DEFAULT_LADDER
     """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size."""
+    kernels: str | None = None
+    """Kernels for attention and FOCUS importance: ``xla``, ``pallas_tpu``,
+    ``pallas_tpu_interpret`` (None: the platform's default)."""
     steps_per_round: int = 32
     """Denoising steps run on the device per host round trip (streaming and progress granularity)."""
 

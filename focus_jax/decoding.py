@@ -28,6 +28,7 @@ from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
 from focus_jax.unmasking import Sampler, unmask
+from pallas_kernels.focus_importance import focus_importance
 from pallas_kernels.ragged_attention import ragged_attention
 
 MASKED, UNMASKED, CACHED = 0, 1, 2
@@ -50,7 +51,8 @@ class DecodeSettings:
     retained_ladder: tuple[int, ...]
     """Bucket sizes for the retained tokens."""
     stop_token_ids: tuple[int, ...]
-    attention_impl: str | None = None
+    kernels: str | None = None
+    """Kernel implementation for attention and importance (``None``: the platform default)."""
     unroll_layers: bool = False
     """Unroll the layer scan (for cost analysis; compile time then grows with depth)."""
 
@@ -214,7 +216,7 @@ def step(model: Decoder, state: DecodeState,
                           kv_len):
         def work(rows, valid, x_flat, q, cache: KVCache):
             attn = ragged_attention(q[rows], rows, valid, cache.k, cache.v, layer_index, kv_len,
-                                    block_size=b, impl=settings.attention_impl)
+                                    block_size=b, impl=settings.kernels)
             x = layer.finish(x_flat[rows], attn)
             return x_flat.at[jnp.where(valid, rows, flat)].set(x, mode="drop")
 
@@ -230,8 +232,10 @@ def step(model: Decoder, state: DecodeState,
     if settings.mode == "focus":
         blocks = lambda a: a.reshape(s, b, *a.shape[1:])
         masked_processed = processed & masked
-        delta = (focus.importance(blocks(q1), blocks(k1), masked_processed)
-                 - focus.importance(blocks(q0), blocks(k0), masked_processed))
+        def importance(q, k):
+            return focus_importance(blocks(q), blocks(k), masked_processed, impl=settings.kernels)
+
+        delta = importance(q1, k1) - importance(q0, k0)
         avg = jnp.where(state.block_steps > 0,
                         state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
         retained = processed & ~masked | focus.select_retained(

@@ -151,6 +151,7 @@ class Engine:
             processed_ladder=bucket_ladder(slots * block, config.bucket_ladder),
             retained_ladder=bucket_ladder(slots * block, config.bucket_ladder),
             stop_token_ids=tuple(self.stop_token_ids),
+            kernels=config.kernels,
         )
         self.state = decoding.init_state(cfg, slots, self.cache_len, block,
                                          self.settings.mask_token_id, config.seed)

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
 
-from pallas_kernels.ragged_attention import reference
+from pallas_kernels.dispatch import choose
+from pallas_kernels.ragged_attention import pallas_tpu, reference
 
-Impl = Literal["xla"]
-IMPLS: dict[str, object] = {"xla": reference.ragged_attention}
+IMPLS = {
+    "xla": reference.ragged_attention,
+    "pallas_tpu": pallas_tpu.ragged_attention,
+    "pallas_tpu_interpret": functools.partial(pallas_tpu.ragged_attention, interpret=True),
+}
 
 
-def ragged_attention(*args, impl: Impl | None = None, **kwargs):
+def ragged_attention(*args, impl: str | None = None, **kwargs):
     """Ragged attention (contract in :mod:`pallas_kernels.ragged_attention.reference`).
 
-    ``impl``: ``None`` picks the platform default.
+    ``impl``: ``xla``, ``pallas_tpu``, ``pallas_tpu_interpret`` (the TPU kernel in the Pallas
+    interpreter, any platform); ``None`` picks the platform default.
     """
-    chosen = impl or "xla"
-    if chosen not in IMPLS:
-        raise ValueError(f"ragged_attention impl {chosen!r} unknown; choose from {sorted(IMPLS)}")
-    return IMPLS[chosen](*args, **kwargs)
+    return choose("ragged_attention", IMPLS, impl)(*args, **kwargs)

@@ -3,8 +3,9 @@
 Queries are the compacted rows of a decode step: row ``n`` is the token at flat index
 ``rows[n] = slot * block_size + position_in_block``; rows with ``valid[n] = False`` are padding.
 Each query attends, non-causally, to its slot's cached keys and values at positions
-``[0, kv_len[slot])`` of layer ``layer``. This reference pads the queries back to one block per
-slot, which costs the same for any number of rows; the kernels work on the compacted rows.
+``[0, kv_len[slot])`` of layer ``layer`` (``kv_len >= 1`` for every slot that has valid rows).
+This reference pads the queries back to one block per slot, which costs the same for any number
+of rows; the kernels work on the compacted rows.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""TPU kernels against their pure-jnp references, in the Pallas TPU interpreter on the CPU."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from focus_jax import GenerationConfig, generate
+from focus_jax.compaction import compact
+from focus_jax.testing import random_prompts
+from pallas_kernels.focus_importance import focus_importance
+from pallas_kernels.focus_importance import reference as importance_reference
+from pallas_kernels.ragged_attention import ragged_attention
+from pallas_kernels.ragged_attention import reference as attention_reference
+
+# (query heads per KV head, head dim, block size): every GQA group, both head dims, B 4..64.
+SHAPES = [(1, 64, 4), (2, 128, 8), (4, 64, 16), (8, 128, 32), (2, 64, 64)]
+HEADS = 8
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
+def test_importance_kernel_matches_reference(group, head_dim, block):
+    rng = np.random.default_rng(group * 1000 + head_dim + block)
+    slots = 5
+    q = jnp.asarray(rng.normal(size=(slots, block, HEADS, head_dim)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(slots, block, HEADS // group, head_dim)), jnp.float32)
+    masked = rng.uniform(size=(slots, block)) < rng.uniform(0.2, 0.9, size=(slots, 1))
+    masked[0], masked[1] = True, False  # every slot masked; none masked
+    masked = jnp.asarray(masked)
+    got = focus_importance(q, k, masked, impl="pallas_tpu_interpret")
+    want = importance_reference.importance(q, k, masked)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
+def test_ragged_attention_kernel_matches_reference(group, head_dim, block):
+    rng = np.random.default_rng(group * 100 + head_dim + block)
+    layers, slots, positions = 2, 5, 256
+    kv_heads = HEADS // group
+    cache = [jnp.asarray(rng.normal(size=(layers, slots, positions, kv_heads, head_dim)),
+                         jnp.float32) for _ in range(2)]
+    keep = rng.uniform(size=(slots, block)) < 0.5
+    keep[0], keep[1] = True, False          # a slot with every row, a slot with none
+    kv_len = rng.integers(1, positions + 1, size=slots)
+    kv_len[1], kv_len[2] = 0, positions     # 0 where there are no rows; the maximum
+    kv_len[0] = 1
+    rows, count = compact(jnp.asarray(keep.reshape(-1)))
+    size = int(count) + 3                   # a bucket with padding rows past the count
+    rows, valid = rows[:size], jnp.arange(size) < count
+    q = jnp.asarray(rng.normal(size=(size, HEADS, head_dim)), jnp.float32)
+    args = (q, rows, valid, *cache, 1, jnp.asarray(kv_len))
+    got = ragged_attention(*args, block_size=block, impl="pallas_tpu_interpret", block_kv=64)
+    want = attention_reference.ragged_attention(*args, block_size=block)
+    valid = np.asarray(valid)
+    assert valid.sum() > 0 and (~valid).sum() > 0
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5,
+                               atol=2e-5)
+
+
+def test_ragged_attention_kernel_with_no_rows_returns_finite_values():
+    cache = jnp.ones((1, 2, 64, 1, 64), jnp.float32)
+    q = jnp.ones((4, 2, 64), jnp.float32)
+    out = ragged_attention(q, jnp.zeros(4, jnp.int32), jnp.zeros(4, bool), cache, cache, 0,
+                           jnp.zeros(2, jnp.int32), block_size=4, impl="pallas_tpu_interpret")
+    assert out.shape == q.shape and bool(jnp.isfinite(out).all())
+
+
+def test_engine_with_tpu_kernels_decodes_like_the_xla_path(model):
+    prompts = random_prompts(3, 128, 2, 12, seed=3)
+    config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
+                              max_new_tokens=8, stop_token_ids=(), bucket_ladder=(0.5, 1.0))
+    xla = [r.token_ids for r in generate(model, prompts, config.replace(kernels="xla"))]
+    kernels = generate(model, prompts, config.replace(kernels="pallas_tpu_interpret"))
+    assert [r.token_ids for r in kernels] == xla
+
+
+def test_unknown_kernel_impl_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown impl 'cuda'"):
+        focus_importance(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)), jnp.ones((1, 4), bool),
+                         impl="cuda")
