@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from jax.sharding import Mesh
+
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.engine import Engine, Result, RunStats, prompt_buckets
 from focus_jax.model import Model
@@ -33,12 +35,13 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
              config: GenerationConfig | None = None, *, chat: bool = True,
              progress: bool = False,
              on_tokens: Callable[[int, list[int]], None] | None = None,
-             return_stats: bool = False) -> list[Result] | tuple[list[Result], RunStats]:
+             return_stats: bool = False, mesh: Mesh | None = None) -> list[Result] | tuple[list[Result], RunStats]:
     """Generate for one prompt or a list of prompts (strings or token-id lists).
 
     Returns one :class:`Result` per prompt, in order (``.text``, ``.token_ids``, ``.stats``);
     with ``return_stats`` also the run's :class:`RunStats`. ``on_tokens(index, ids)`` streams
-    each prompt's tokens as its blocks complete.
+    each prompt's tokens as its blocks complete. ``mesh``: decode sharded over a
+    ``("data", "model")`` mesh (slots over data: the batch is rounded up to a multiple of it).
     """
     config = config or GenerationConfig()
     single = isinstance(prompts, str) or (
@@ -59,7 +62,10 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
             f"prompt of {longest} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "
             f"model's max_position_embeddings ({model.config.max_position_embeddings})")
     slots = config.max_batch or min(1 << (len(ids) - 1).bit_length(), DEFAULT_MAX_BATCH)
-    engine = Engine(model, config, slots=slots, cache_len=cache_len or 0)
+    if mesh is not None and config.max_batch is None:
+        data = mesh.shape["data"]
+        slots = -(-slots // data) * data
+    engine = Engine(model, config, slots=slots, cache_len=cache_len or 0, mesh=mesh)
     rids = [engine.submit(p, on_tokens=_by_index(on_tokens, i)) for i, p in enumerate(ids)]
     results = engine.run(progress=progress)
     ordered = [results[rid] for rid in rids]

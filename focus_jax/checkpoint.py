@@ -20,7 +20,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
+from focus_jax import sharding
 from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
 from focus_jax.models.params import abstract_decoder, load_safetensors
@@ -31,11 +33,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 SDAR_MASK_TOKEN_ID = 151669
 
 
-def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True) -> Model:
+def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
+         mesh: Mesh | None = None) -> Model:
     """Load a model folder (Hugging Face or converted).
 
     ``dtype``: ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's). ``tokenizer=False``
-    loads the weights alone (prompts must then be token ids).
+    loads the weights alone (prompts must then be token ids). ``mesh``: shard the parameters
+    over a ``("data", "model")`` mesh (a converted folder restores straight into the shards).
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -50,11 +54,16 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True) 
         if mask is None and cfg.model_type == "sdar" and cfg.vocab_size > SDAR_MASK_TOKEN_ID:
             mask = SDAR_MASK_TOKEN_ID
         cfg = cfg.replace(mask_token_id=mask)
+    if mesh is not None:
+        sharding.check_divisible(cfg, mesh)
     if (folder / PARAMS_DIR).is_dir():
-        decoder = _restore_orbax(folder / PARAMS_DIR, cfg)
+        decoder = _restore_orbax(folder / PARAMS_DIR, cfg, mesh)
     else:
         decoder = load_safetensors(folder, cfg)
-    return Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
+    model = Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
+    if mesh is not None:
+        model.params = sharding.shard_params(model.params, mesh)
+    return model
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -88,10 +97,15 @@ def stop_token_ids(folder: Path, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _restore_orbax(params_dir: Path, cfg: ModelConfig) -> Any:
+def _restore_orbax(params_dir: Path, cfg: ModelConfig, mesh: Mesh | None = None) -> Any:
     graphdef, abstract = nnx.split(abstract_decoder(cfg))
-    target = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abstract))
+    if mesh is None:
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abstract))
+    else:
+        shardings = nnx.to_pure_dict(sharding.param_shardings(abstract, mesh))
+        target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                              nnx.to_pure_dict(abstract), shardings)
     try:
         restored = ocp.StandardCheckpointer().restore(params_dir.resolve(), target)
     except (ValueError, KeyError) as err:

@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from focus_jax import decoding
+from focus_jax import decoding, sharding
 from focus_jax.compaction import bucket_ladder
 from focus_jax.config import SUPPORTED_BLOCK_SIZES, ConfigError, GenerationConfig
 from focus_jax.model import Model
@@ -119,7 +120,7 @@ class Engine:
     """
 
     def __init__(self, model: Model, config: GenerationConfig, *, slots: int, cache_len: int,
-                 prefill_batch: int | None = None):
+                 prefill_batch: int | None = None, mesh: Mesh | None = None):
         cfg = model.config
         block = config.block_size or cfg.block_size
         if block is None:
@@ -155,6 +156,13 @@ class Engine:
         )
         self.state = decoding.init_state(cfg, slots, self.cache_len, block,
                                          self.settings.mask_token_id, config.seed)
+        if mesh is not None:
+            # Slots (and the cache) over "data", heads and MLP over "model"; the programs are
+            # the same, JAX's SPMD partitioner shards them.
+            sharding.check_divisible(cfg, mesh, slots)
+            model = dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
+            self.model = model
+            self.state = jax.device_put(self.state, sharding.state_sharding(self.state, mesh))
         self.stats = RunStats()
         self._queue: collections.deque[_Request] = collections.deque()
         self._slot_request: list[_Request | None] = [None] * slots

@@ -1,0 +1,91 @@
+"""Sharding over a ``("data", "model")`` mesh: slots over ``data``, heads and MLP over ``model``.
+
+Parameters carry logical axis names (see ``models/qwen3.py``); :data:`RULES` maps them to mesh
+axes. The decode state and KV cache are sharded by slot over ``data`` (and the cache's KV heads
+over ``model``). JAX's SPMD partitioner does the rest: the code under ``jit`` is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from focus_jax.config import ConfigError, ModelConfig
+
+AXES = ("data", "model")
+RULES: Mapping[str, str | None] = {
+    "vocab": "model", "embed": None, "heads": "model", "kv_heads": "model", "head_dim": None,
+    "mlp": "model", "layers": None, "norm": None,
+}
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}`` (missing axes are 1)."""
+    sizes = {"data": 1, "model": 1}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"bad mesh {spec!r}: expected e.g. data=2,model=4")
+        sizes[name] = int(value)
+    return sizes
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: list | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh over the first ``data * model`` devices."""
+    devices = jax.devices() if devices is None else devices
+    if data * model > len(devices):
+        raise ConfigError(f"mesh data={data},model={model} needs {data * model} devices, "
+                          f"{len(devices)} available")
+    return Mesh(np.array(devices[:data * model]).reshape(data, model), AXES)
+
+
+def check_divisible(cfg: ModelConfig, mesh: Mesh | Mapping[str, int],
+                    slots: int | None = None) -> None:
+    """Clear errors when a sharded dimension does not divide by its mesh axis (``mesh``: a mesh or
+    its axis sizes)."""
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    model, data = sizes["model"], sizes["data"]
+    for name, size in (("num_attention_heads", cfg.num_heads),
+                       ("num_key_value_heads", cfg.num_kv_heads),
+                       ("intermediate_size", cfg.intermediate_size),
+                       ("vocab_size", cfg.vocab_size)):
+        if size % model:
+            raise ConfigError(f"{name} = {size} does not divide by the mesh's model axis ({model})")
+    if slots is not None and slots % data:
+        raise ConfigError(f"{slots} slots do not divide by the mesh's data axis ({data}): use a "
+                          f"batch size that is a multiple of {data}")
+
+
+def spec_for(axes: tuple[str | None, ...]) -> PartitionSpec:
+    return PartitionSpec(*(RULES.get(a) if a else None for a in axes))
+
+
+def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """A NamedSharding per parameter, from its logical axis names."""
+    def sharding(var: nnx.Variable) -> NamedSharding:
+        return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or ()))
+
+    return jax.tree.map(sharding, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """Place the parameters on the mesh."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def state_sharding(state, mesh: Mesh):
+    """Decode state: every array's leading slot axis over ``data``; the KV cache
+    ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``model``."""
+    from focus_jax.decoding import DecodeState
+
+    def by_slot(a):
+        return NamedSharding(mesh, PartitionSpec("data") if np.ndim(a) else PartitionSpec())
+
+    cache = NamedSharding(mesh, PartitionSpec(None, "data", None, "model", None))
+    shardings = jax.tree.map(by_slot, state)
+    return DecodeState(**{**shardings.__dict__, "rng": NamedSharding(mesh, PartitionSpec()),
+                          "cache": type(state.cache)(cache, cache)})

@@ -1,0 +1,58 @@
+"""Sharded decoding equals single-device decoding (8 forced CPU devices, in a subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from focus_jax import ConfigError, GenerationConfig, generate
+from focus_jax.sharding import check_divisible, make_mesh, parse_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(ROOT / "tests/sharding/compare.py"), "baseline",
+                          "delayed", "focus"], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["mode"], tuple(r["mesh"])) for r in rows} == {
+        (mode, mesh) for mode in ("baseline", "delayed", "focus")
+        for mesh in ((8, 1), (1, 8), (2, 4))}
+    for row in rows:
+        data, model = row["mesh"]
+        assert row["equal"], row
+        assert row["cache_shards"] == 8
+        # [layers, slots / data, positions, kv_heads / model, head_dim]; MLP columns / model.
+        assert row["cache_shard_shape"][1] == 8 // data
+        assert row["cache_shard_shape"][3] == 8 // model
+        assert row["gate_shard_shape"][2] == 128 // model
+
+
+def test_mesh_spec_parsing_and_errors():
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    assert parse_mesh("model=2") == {"data": 1, "model": 2}
+    with pytest.raises(ConfigError, match="bad mesh"):
+        parse_mesh("data=two")
+    with pytest.raises(ConfigError, match="needs 4 devices"):
+        make_mesh(2, 2)
+
+
+def test_dimension_that_does_not_divide_is_a_clear_error(model):
+    with pytest.raises(ConfigError, match="do not divide by the mesh's data axis"):
+        check_divisible(model.config, {"data": 3, "model": 1}, slots=4)
+    with pytest.raises(ConfigError, match="num_attention_heads = 4 does not divide"):
+        check_divisible(model.config, {"data": 1, "model": 3})
+
+
+def test_a_one_device_mesh_decodes_like_no_mesh(model):
+    config = GenerationConfig(block_size=4, max_new_tokens=4, threshold=0.04)
+    plain = generate(model, [[5, 6], [7, 8, 9]], config)
+    meshed = generate(model, [[5, 6], [7, 8, 9]], config, mesh=make_mesh(1, 1))
+    assert [r.token_ids for r in meshed] == [r.token_ids for r in plain]
