@@ -35,7 +35,8 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
              config: GenerationConfig | None = None, *, chat: bool = True,
              progress: bool = False,
              on_tokens: Callable[[int, list[int]], None] | None = None,
-             return_stats: bool = False, mesh: Mesh | None = None) -> list[Result] | tuple[list[Result], RunStats]:
+             return_stats: bool = False,
+             mesh: Mesh | None = None) -> list[Result] | tuple[list[Result], RunStats]:
     """Generate for one prompt or a list of prompts (strings or token-id lists).
 
     Returns one :class:`Result` per prompt, in order (``.text``, ``.token_ids``, ``.stats``);
