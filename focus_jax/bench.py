@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig
 from focus_jax.engine import Engine
@@ -89,7 +90,7 @@ class BenchResult:
 
 def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
         seed: int = 0, block_size: int | None = None, progress: bool = False,
-        **generation: object) -> list[BenchResult]:
+        mesh: Mesh | None = None, **generation: object) -> list[BenchResult]:
     """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding."""
     cfg = model.config
     block = block_size or cfg.block_size or 32
@@ -102,7 +103,7 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     for mode in modes:
         config = GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
                                   stop_token_ids=(), **generation)
-        engine = Engine(model, config, slots=batch, cache_len=cache_len)
+        engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh)
         start = time.perf_counter()
         engine.warmup(prompt_lengths=lengths)
         compile_seconds = time.perf_counter() - start

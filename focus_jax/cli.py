@@ -41,6 +41,30 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat", action="store_true",
                         help="do not apply the tokenizer's chat template")
     parser.add_argument("--stats", action="store_true", help="print decoding statistics")
+    _add_distribution_options(parser)
+
+
+def _add_distribution_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mesh", default=None,
+                        help="shard over devices: data=D,model=M (slots over data, heads/MLP "
+                             "over model)")
+    parser.add_argument("--coordinator", default=None,
+                        help="multi-process: host:port of process 0 (with --num-processes and "
+                             "--process-id); on TPU pods use --distributed alone")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument("--distributed", action="store_true",
+                        help="multi-process with arguments found by JAX (TPU pods, SLURM)")
+
+
+def _mesh(args: argparse.Namespace):
+    """Join the processes (if asked) and build the mesh (if asked)."""
+    from focus_jax import distributed
+    from focus_jax.sharding import make_mesh, parse_mesh
+
+    if args.distributed or args.coordinator:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    return make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
 
 
 def _generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -51,14 +75,14 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         top_p=args.top_p, seed=args.seed, max_batch=args.max_batch)
 
 
-def load_model(path: Path | None, dtype: str | None = None):
+def load_model(path: Path | None, dtype: str | None = None, mesh=None):
     """The model at ``path``; without one, the bundled model, else a random tiny one (noise)."""
     from focus_jax.checkpoint import load
 
     if path is not None:
-        return load(path, dtype=dtype)
+        return load(path, dtype=dtype, mesh=mesh)
     if (BUNDLED_MODEL / "config.json").exists():
-        return load(BUNDLED_MODEL, dtype=dtype)
+        return load(BUNDLED_MODEL, dtype=dtype, mesh=mesh)
     from focus_jax.testing import tiny_model
 
     print("note: no --model given and no bundled model found: using a tiny RANDOM model, "
@@ -85,8 +109,10 @@ def format_stats(stats: RunStats, num_layers: int) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
+    from focus_jax.distributed import is_primary
 
-    model = load_model(args.model, args.dtype)
+    mesh = _mesh(args)
+    model = load_model(args.model, args.dtype, mesh)
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines()
@@ -94,10 +120,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     config = _generation_config(args)
-    stream = len(prompts) == 1 and not args.no_stream
+    stream = len(prompts) == 1 and not args.no_stream and is_primary()
     printer = _StreamPrinter(model.tokenizer) if stream else None
     results, stats = generate(model, prompts, config, chat=not args.no_chat,
-                              progress=not stream, on_tokens=printer, return_stats=True)
+                              progress=not stream and is_primary(), on_tokens=printer,
+                              return_stats=True, mesh=mesh)
+    if not is_primary():
+        return 0
     if stream:
         printer.finish(results[0].token_ids)
     else:
@@ -174,17 +203,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from focus_jax import bench
+    import dataclasses
+    import json
 
-    model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
-    print(f"{'mode':8s} {'batch':>5s} {'tok/s':>9s} {'step ms':>8s} {'processed':>9s} "
-          f"{'retained':>8s} {'decoded':>7s}")
+    import jax
+
+    from focus_jax import bench
+    from focus_jax.distributed import is_primary
+
+    mesh = _mesh(args)
+    if args.geometry:
+        model = bench.random_model(args.geometry)
+        if mesh is not None:
+            from focus_jax.sharding import check_divisible, shard_params
+            check_divisible(model.config, mesh)
+            model.params = shard_params(model.params, mesh)
+    else:
+        model = load_model(args.model, mesh=mesh)
+    peak = bench.measured_bf16_peak()
+    say = print if is_primary() else (lambda *a, **k: None)
+    say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
+        f"measured bf16 peak {peak / 1e12:.0f} TFLOP/s")
+    rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
-                           args.max_new_tokens, progress=False):
-            print(f"{r.mode:8s} {batch:5d} {r.tokens_per_second:9.1f} {r.step_ms:8.2f} "
-                  f"{r.processed_per_step:9.1f} {r.retained_per_step:8.1f} "
-                  f"{r.decoded_per_step:7.2f}")
+                           args.max_new_tokens, mesh=mesh):
+            row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
+                   "step_ms": r.step_ms, "mfu": r.mfu(peak), "peak_flops": peak,
+                   "model": str(args.model or args.geometry), "mesh": args.mesh,
+                   "devices": jax.device_count()}
+            rows.append(row)
+            say(f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
+                f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
+                f"MFU {100 * r.mfu(peak):5.1f}%  compile {r.compile_seconds:5.1f}s", flush=True)
+            if args.json and is_primary():
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 
@@ -244,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--requests-per-slot", type=int, default=1)
     be.add_argument("--max-new-tokens", type=int, default=1024)
     be.add_argument("--modes", default="baseline,delayed,focus")
+    be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
+    _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)
 
     tr = sub.add_parser("train", help="fine-tune a model on (prompt, response) pairs")

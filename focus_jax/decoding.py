@@ -121,7 +121,7 @@ def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
         history=zeros(), progress=zeros() - 1, block_decoded=zeros(), block_steps=zeros(),
         live=jnp.zeros((slots,), bool), prompt_len=zeros(), max_new=zeros(), out_len=zeros(),
         sequence=jnp.full((slots, positions), mask_token_id, jnp.int32),
-        rng=jax.random.key(seed),
+        rng=jax.random.PRNGKey(seed),  # raw uint32 key data: plain to move between hosts
         cache=KVCache.create(cfg, slots, positions),
     )
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from focus_jax import decoding, sharding
 from focus_jax.compaction import bucket_ladder
 from focus_jax.config import SUPPORTED_BLOCK_SIZES, ConfigError, GenerationConfig
+from focus_jax.distributed import to_host
 from focus_jax.model import Model
 from focus_jax.unmasking import Sampler
 
@@ -162,7 +163,7 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
             model = dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
             self.model = model
-            self.state = jax.device_put(self.state, sharding.state_sharding(self.state, mesh))
+            self.state = sharding.place(self.state, sharding.state_sharding(self.state, mesh))
         self.stats = RunStats()
         self._queue: collections.deque[_Request] = collections.deque()
         self._slot_request: list[_Request | None] = [None] * slots
@@ -232,7 +233,7 @@ class Engine:
             self._fill_free_slots()
             self.state, logs, steps = self._round(
                 self.model.params, self.state, np.asarray(bool(self._queue)))
-            self._after_round(jax.device_get(logs), int(steps), bar)
+            self._after_round(to_host(logs), int(to_host(steps)), bar)
         self.stats.wall_seconds += time.perf_counter() - start
         bar.close()
         results, self._results = self._results, {}
@@ -285,7 +286,7 @@ class Engine:
         self.stats.retained_buckets.update(
             settings.retained_ladder[i] for i in logs.retained_bucket[:steps])
 
-        live, out_len, history, sequence = jax.device_get(
+        live, out_len, history, sequence = to_host(
             (self.state.live, self.state.out_len, self.state.history, self.state.sequence))
         for slot, request in enumerate(self._slot_request):
             if request is None:

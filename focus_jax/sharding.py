@@ -72,9 +72,17 @@ def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree.map(sharding, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def place(tree, shardings):
+    """``jax.device_put`` that also works when the mesh spans several processes (there, arrays
+    go through host memory: a process can only write its own devices)."""
+    if jax.process_count() > 1:
+        tree = jax.device_get(tree)
+    return jax.device_put(tree, shardings)
+
+
 def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
     """Place the parameters on the mesh."""
-    return jax.device_put(params, param_shardings(params, mesh))
+    return place(params, param_shardings(params, mesh))
 
 
 def state_sharding(state, mesh: Mesh):

@@ -56,3 +56,29 @@ def test_a_one_device_mesh_decodes_like_no_mesh(model):
     plain = generate(model, [[5, 6], [7, 8, 9]], config)
     meshed = generate(model, [[5, 6], [7, 8, 9]], config, mesh=make_mesh(1, 1))
     assert [r.token_ids for r in meshed] == [r.token_ids for r in plain]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_on_localhost_decode_like_one():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    script = str(ROOT / "tests/sharding/multiprocess.py")
+    port = str(_free_port())
+    workers = [subprocess.Popen([sys.executable, script, port, str(i), "focus"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in (0, 1)]
+    outputs = [w.communicate(timeout=600) for w in workers]
+    for worker, (_, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+    single = subprocess.run([sys.executable, script, "0", "single", "focus"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    lines = lambda text: [json.loads(x) for x in text.splitlines() if x.startswith("[[")]
+    assert lines(outputs[1][0]) == []  # only process 0 prints
+    assert lines(outputs[0][0]) == lines(single.stdout) != []
