@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from jax.sharding import Mesh
 
 from focus_jax.config import ConfigError, GenerationConfig
-from focus_jax.engine import Engine, Result, RunStats, prompt_buckets
+from focus_jax.engine import Engine, Result, RunStats, cache_length
 from focus_jax.model import Model
 
 Prompt = str | Sequence[int]
@@ -55,9 +55,7 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     longest = max(len(p) for p in ids)
     cache_len = config.max_cache_len
     if cache_len is None and block:
-        # Rounded up to B * 2^k so that repeated calls reuse compiled programs.
-        needed = longest + config.max_new_tokens
-        cache_len = next(size for size in prompt_buckets(block, needed * 2, growth=2) if size >= needed)
+        cache_len = cache_length(block, longest + config.max_new_tokens)
     if cache_len is not None and longest + config.max_new_tokens > model.config.max_position_embeddings:
         raise ConfigError(
             f"prompt of {longest} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "

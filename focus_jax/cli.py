@@ -211,15 +211,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from focus_jax import bench
     from focus_jax.distributed import is_primary
 
-    mesh = _mesh(args)
-    if args.geometry:
-        model = bench.random_model(args.geometry)
-        if mesh is not None:
-            from focus_jax.sharding import check_divisible, shard_params
-            check_divisible(model.config, mesh)
-            model.params = shard_params(model.params, mesh)
-    else:
-        model = load_model(args.model, mesh=mesh)
+    mesh = _mesh(args)  # the engine shards the parameters and its state over it
+    model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
     peak = bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from focus_jax import decoding, sharding
 from focus_jax.compaction import bucket_ladder
-from focus_jax.config import SUPPORTED_BLOCK_SIZES, ConfigError, GenerationConfig
+from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.distributed import to_host
 from focus_jax.model import Model
 from focus_jax.unmasking import Sampler
@@ -100,15 +100,24 @@ class RequestError(ValueError):
     """A request the engine cannot serve (the message says why); other requests go on."""
 
 
-def prompt_buckets(block_size: int, positions: int, growth: int = 4) -> tuple[int, ...]:
-    """Padded lengths ``B * growth^k`` below ``positions``, and ``positions`` itself.
+def cache_length(block_size: int, positions: int) -> int:
+    """The smallest ``B * 2^k`` that holds ``positions``: cache lengths from a few sizes, so that
+    repeated calls with different prompts reuse compiled programs."""
+    size = block_size
+    while size < positions:
+        size *= 2
+    return size
+
+
+def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
+    """Padded lengths ``B * 4^k`` below ``positions``, and ``positions`` itself.
 
     Prefill pads prompts to these (few buckets: few compilations, some padding).
     """
     sizes, size = {positions}, block_size
     while size < positions:
         sizes.add(size)
-        size *= growth
+        size *= 4
     return tuple(sorted(sizes))
 
 
@@ -130,8 +139,6 @@ class Engine:
         if cfg.block_size is not None and block != cfg.block_size:
             raise ConfigError(f"block_size {block} does not match the model, which was trained "
                               f"with block size {cfg.block_size}")
-        if block not in SUPPORTED_BLOCK_SIZES:
-            raise ConfigError(f"block_size {block} is not supported: {SUPPORTED_BLOCK_SIZES}")
         if cfg.num_layers < 2:
             raise ConfigError("decoding needs a model with at least 2 layers")
         if slots < 1:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from focus_jax import tasks
 from focus_jax.api import encode_prompt
 from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, prompt_buckets
+from focus_jax.engine import Engine, cache_length
 from focus_jax.model import Model
 
 
@@ -47,8 +47,7 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
     """Decode every example in every mode (greedy, default thresholds) and score exact match."""
     prompts = [encode_prompt(model, ex.question) for ex in examples]
     block = model.config.block_size or 8
-    needed = max(len(p) for p in prompts) + max_new_tokens
-    cache_len = next(size for size in prompt_buckets(block, 2 * needed, growth=2) if size >= needed)
+    cache_len = cache_length(block, max(len(p) for p in prompts) + max_new_tokens)
     reports = []
     layers = model.config.num_layers
     for mode in modes:
