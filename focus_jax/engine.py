@@ -240,7 +240,9 @@ class Engine:
             self._fill_free_slots()
             self.state, logs, steps = self._round(
                 self.model.params, self.state, np.asarray(bool(self._queue)))
-            self._after_round(to_host(logs), int(to_host(steps)), bar)
+            # One transfer per round: the step logs and the slots' progress.
+            self._after_round(*to_host((logs, steps, self.state.live, self.state.out_len,
+                                        self.state.history, self.state.sequence)), bar)
         self.stats.wall_seconds += time.perf_counter() - start
         bar.close()
         results, self._results = self._results, {}
@@ -278,8 +280,11 @@ class Engine:
         self.state = self._prefill(self.model.params, self.state, tokens, lengths, slot_ids,
                                    max_new)
 
-    def _after_round(self, logs: decoding.StepLog, steps: int, bar: tqdm) -> None:
+    def _after_round(self, logs: decoding.StepLog, steps: np.ndarray, live: np.ndarray,
+                     out_len: np.ndarray, history: np.ndarray, sequence: np.ndarray,
+                     bar: tqdm) -> None:
         settings = self.settings
+        steps = int(steps)
         processed = logs.processed[:steps].sum(-1)  # [steps, slots]
         retained = logs.retained[:steps].sum(-1)
         decoded = logs.decoded[:steps].sum(-1)
@@ -293,8 +298,6 @@ class Engine:
         self.stats.retained_buckets.update(
             settings.retained_ladder[i] for i in logs.retained_bucket[:steps])
 
-        live, out_len, history, sequence = to_host(
-            (self.state.live, self.state.out_len, self.state.history, self.state.sequence))
         for slot, request in enumerate(self._slot_request):
             if request is None:
                 continue
