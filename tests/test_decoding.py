@@ -7,6 +7,7 @@ from focus_jax.testing import random_prompts
 from tests.reference_decoder import reference_decode
 
 THRESHOLD = 0.04  # the tiny random model's confidences spread around this value
+LADDER = (0.25, 1.0)  # two buckets: compaction exercised, compile time small
 
 
 def prompts_for(block_size: int) -> list[list[int]]:
@@ -22,6 +23,7 @@ def prompts_for(block_size: int) -> list[list[int]]:
 def test_cached_baseline_matches_uncached_reference(model, block_size, rule):
     prompts = prompts_for(block_size)
     config = GenerationConfig(mode="baseline", block_size=block_size, threshold=THRESHOLD,
+                              bucket_ladder=LADDER,
                               unmasking=rule, denoising_steps=block_size // 2,
                               max_new_tokens=3 * block_size)
     results = generate(model, prompts, config)
@@ -39,7 +41,7 @@ def test_cached_baseline_matches_uncached_reference(model, block_size, rule):
 
 def test_stop_token_ends_the_output_before_it(model):
     prompt = random_prompts(1, 128, 5, 5, seed=3)[0]
-    base = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+    base = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
                             max_new_tokens=16, stop_token_ids=())
     free = generate(model, prompt, base)[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 16
@@ -52,7 +54,7 @@ def test_stop_token_ends_the_output_before_it(model):
 
 def test_max_new_tokens_is_a_hard_cap(model):
     prompt = random_prompts(1, 128, 6, 6, seed=4)[0]
-    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
                               max_new_tokens=7, stop_token_ids=())
     result = generate(model, prompt, config)[0]
     longer = generate(model, prompt, config.replace(max_new_tokens=12))[0]
@@ -62,7 +64,7 @@ def test_max_new_tokens_is_a_hard_cap(model):
 
 def test_sampling_with_top_k_one_is_greedy_and_seeded_sampling_repeats(model):
     prompts = random_prompts(2, 128, 3, 9, seed=5)
-    base = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+    base = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
                             max_new_tokens=8, stop_token_ids=())
     greedy = [r.token_ids for r in generate(model, prompts, base)]
     # At temperature 1 the confidences equal greedy's, and top-k 1 leaves one token to sample.
@@ -78,7 +80,7 @@ def test_sampling_with_top_k_one_is_greedy_and_seeded_sampling_repeats(model):
 
 def test_more_prompts_than_slots_are_served_by_refilling_slots(model):
     prompts = prompts_for(4)
-    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
                               max_new_tokens=8)
     together = [r.token_ids for r in generate(model, prompts, config)]
     two_slots = [r.token_ids for r in generate(model, prompts, config.replace(max_batch=2))]

@@ -98,7 +98,8 @@ def test_selection_cases_by_hand():
     assert np.asarray(got).tolist() == [[False, False]]
 
 
-CONFIG = dict(block_size=8, threshold=0.04, max_new_tokens=24, stop_token_ids=())
+CONFIG = dict(block_size=8, threshold=0.04, max_new_tokens=24, stop_token_ids=(),
+              bucket_ladder=(0.25, 1.0))
 
 
 def test_focus_with_huge_alpha_matches_delayed(model):
