@@ -28,9 +28,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# On a GPU machine whose python3 already has jax[cuda] (the H200 image): kernel tests.
+# On a GPU machine whose python3 already has jax[cuda] and jax-triton (the H200 image plus the
+# jax-triton wheel): the GPU kernel tests.
 test-gpu:
-	python3 -m pytest -m gpu tests
+	JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests
 
 fixtures:
 	python3 scripts/make_parity_fixtures.py

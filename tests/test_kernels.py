@@ -1,5 +1,13 @@
-"""TPU kernels against their pure-jnp references, in the Pallas TPU interpreter on the CPU."""
+"""Kernels against their pure-jnp references.
 
+TPU kernels run in the Pallas TPU interpreter on any machine (CI: the CPU). GPU kernels run only
+on an NVIDIA GPU with jax-triton installed; on the H200:
+``make test-gpu``.
+"""
+
+import importlib.util
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,9 +24,17 @@ from pallas_kernels.ragged_attention import reference as attention_reference
 SHAPES = [(1, 64, 4), (2, 128, 8), (4, 64, 16), (8, 128, 32), (2, 64, 64)]
 HEADS = 8
 
+ON_GPU = jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
+IMPLS = [
+    "pallas_tpu_interpret",
+    pytest.param("triton", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")]),
+]
 
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
-def test_importance_kernel_matches_reference(group, head_dim, block):
+def test_importance_kernel_matches_reference(group, head_dim, block, impl):
     rng = np.random.default_rng(group * 1000 + head_dim + block)
     slots = 5
     q = jnp.asarray(rng.normal(size=(slots, block, HEADS, head_dim)), jnp.float32)
@@ -26,18 +42,31 @@ def test_importance_kernel_matches_reference(group, head_dim, block):
     masked = rng.uniform(size=(slots, block)) < rng.uniform(0.2, 0.9, size=(slots, 1))
     masked[0], masked[1] = True, False  # every slot masked; none masked
     masked = jnp.asarray(masked)
-    got = focus_importance(q, k, masked, impl="pallas_tpu_interpret")
+    got = focus_importance(q, k, masked, impl=impl)
     want = importance_reference.importance(q, k, masked)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
-def test_ragged_attention_kernel_matches_reference(group, head_dim, block):
+def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl):
+    _check_ragged_attention(group, head_dim, block, impl, jnp.float32, tolerance=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")
+@pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
+def test_triton_ragged_attention_in_bfloat16(group, head_dim, block):
+    """The engine's dtype: bf16 inputs, float32 accumulation on both sides."""
+    _check_ragged_attention(group, head_dim, block, "triton", jnp.bfloat16, tolerance=2e-2)
+
+
+def _check_ragged_attention(group, head_dim, block, impl, dtype, tolerance):
     rng = np.random.default_rng(group * 100 + head_dim + block)
     layers, slots, positions = 2, 5, 256
     kv_heads = HEADS // group
     cache = [jnp.asarray(rng.normal(size=(layers, slots, positions, kv_heads, head_dim)),
-                         jnp.float32) for _ in range(2)]
+                         dtype) for _ in range(2)]
     keep = rng.uniform(size=(slots, block)) < 0.5
     keep[0], keep[1] = True, False          # a slot with every row, a slot with none
     kv_len = rng.integers(1, positions + 1, size=slots)
@@ -46,30 +75,33 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block):
     rows, count = compact(jnp.asarray(keep.reshape(-1)))
     size = int(count) + 3                   # a bucket with padding rows past the count
     rows, valid = rows[:size], jnp.arange(size) < count
-    q = jnp.asarray(rng.normal(size=(size, HEADS, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(size, HEADS, head_dim)), dtype)
     args = (q, rows, valid, *cache, 1, jnp.asarray(kv_len))
-    got = ragged_attention(*args, block_size=block, impl="pallas_tpu_interpret", block_kv=64)
+    options = {"block_kv": 64} if impl.startswith("pallas_tpu") else {}
+    got = ragged_attention(*args, block_size=block, impl=impl, **options)
     want = attention_reference.ragged_attention(*args, block_size=block)
     valid = np.asarray(valid)
     assert valid.sum() > 0 and (~valid).sum() > 0
-    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5,
-                               atol=2e-5)
+    got, want = (np.asarray(a.astype(jnp.float32)) for a in (got, want))
+    np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
 
 
-def test_ragged_attention_kernel_with_no_rows_returns_finite_values():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ragged_attention_kernel_with_no_rows_returns_finite_values(impl):
     cache = jnp.ones((1, 2, 64, 1, 64), jnp.float32)
     q = jnp.ones((4, 2, 64), jnp.float32)
     out = ragged_attention(q, jnp.zeros(4, jnp.int32), jnp.zeros(4, bool), cache, cache, 0,
-                           jnp.zeros(2, jnp.int32), block_size=4, impl="pallas_tpu_interpret")
+                           jnp.zeros(2, jnp.int32), block_size=4, impl=impl)
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
 
 
-def test_engine_with_tpu_kernels_decodes_like_the_xla_path(model):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_engine_with_kernels_decodes_like_the_xla_path(model, impl):
     prompts = random_prompts(3, 128, 2, 12, seed=3)
     config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
                               max_new_tokens=8, stop_token_ids=(), bucket_ladder=(0.5, 1.0))
     xla = [r.token_ids for r in generate(model, prompts, config.replace(kernels="xla"))]
-    kernels = generate(model, prompts, config.replace(kernels="pallas_tpu_interpret"))
+    kernels = generate(model, prompts, config.replace(kernels=impl))
     assert [r.token_ids for r in kernels] == xla
 
 

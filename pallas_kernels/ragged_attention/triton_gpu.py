@@ -1,0 +1,107 @@
+"""Ragged attention as a Triton kernel for NVIDIA GPUs, called through jax-triton.
+
+The compacted rows are slot-major (compaction is stable over ``slot * B + position``), so a
+slot's rows are one contiguous run ``[first_row[s], first_row[s] + row_count[s])``. The grid is
+``(slot, kv head, query tile)``: a program stacks the rows of its slot times the query heads of
+its KV head (``B * group`` query vectors, in tiles of at most ``TILE_M``) and walks that slot's
+cache of the current layer in blocks of ``BLOCK_N`` positions with an online softmax (float32
+statistics and accumulator, tensor-core dots in the input dtype). Programs whose tile holds no
+row stop at once; no program reads cache at or past ``kv_len``. Output rows are written in place
+at their compacted index; padding rows are zero.
+
+Triton suits this op: a gather of a slot's rows and a data-dependent loop bound, both plain
+pointer arithmetic here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+from jaxtyping import Array, Bool, Float, Int
+
+TILE_M = 128
+"""Most query vectors (rows x query heads of one KV head) per program."""
+
+
+@triton.jit
+def _kernel(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr, out_ptr,
+            SLOTS: tl.constexpr, POSITIONS: tl.constexpr, KV_HEADS: tl.constexpr,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
+    slot = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    count = tl.load(row_count_ptr + slot)
+    first = tl.load(first_row_ptr + slot)
+    layer = tl.load(layer_ptr)
+
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # query vector = row * GROUP + head
+    row = i // GROUP
+    head = kv_head * GROUP + i % GROUP
+    row_ok = row < count
+    d = tl.arange(0, HEAD_DIM)
+    q_offset = ((first + row) * (KV_HEADS * GROUP) + head).to(tl.int64) * HEAD_DIM
+    q = tl.load(q_ptr + q_offset[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    # A tile without rows walks no cache.
+    kv_len = tl.load(kv_len_ptr + slot) * (tile * BLOCK_M < count * GROUP).to(tl.int32)
+    cache_row = (layer * SLOTS + slot).to(tl.int64) * POSITIONS
+    m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for start in range(0, kv_len, BLOCK_N):
+        position = start + tl.arange(0, BLOCK_N)
+        visible = position < kv_len
+        kv_offset = ((cache_row + position) * KV_HEADS + kv_head) * HEAD_DIM
+        pointers = kv_offset[:, None] + d[None, :]
+        k = tl.load(k_ptr + pointers, mask=visible[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
+        s = tl.where(visible[None, :], s, -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        correction = tl.exp(m_i - m_new)
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + pointers, mask=visible[:, None], other=0.0)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_offset[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def slot_runs(rows: Int[Array, "n"], valid: Bool[Array, "n"],
+              slots: int, block_size: int) -> tuple[Int[Array, "s"], Int[Array, "s"]]:
+    """First compacted row and row count of every slot (rows are slot-major)."""
+    slot = jnp.where(valid, rows // block_size, slots)
+    count = jnp.zeros((slots,), jnp.int32).at[slot].add(1, mode="drop")
+    return jnp.cumsum(count) - count, count
+
+
+def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
+                     k_cache: Float[Array, "layers s m kvh d"],
+                     v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
+                     kv_len: Int[Array, "s"], *, block_size: int,
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2
+                     ) -> Float[Array, "n h d"]:
+    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`."""
+    import jax_triton  # GPU only: imported when the kernel is called
+
+    _, h, d = q.shape
+    _, slots, positions, kv_heads, _ = k_cache.shape
+    group = h // kv_heads
+    first_row, row_count = slot_runs(rows, valid, slots, block_size)
+    vectors = block_size * group
+    block_m = min(TILE_M, max(16, triton.next_power_of_2(vectors)))
+    precision = "ieee" if q.dtype == jnp.float32 else "tf32"
+    return jax_triton.triton_call(
+        q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), first_row.astype(jnp.int32),
+        row_count.astype(jnp.int32), jnp.asarray(kv_len, jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        kernel=_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(slots, kv_heads, triton.cdiv(vectors, block_m)), zeroed_outputs=(0,),
+        num_warps=num_warps, num_stages=num_stages,
+        SLOTS=slots, POSITIONS=positions, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALE=d ** -0.5, PRECISION=precision)
