@@ -139,7 +139,7 @@ def reference_kernels(path, q, k, masked, ours, delta, progress, avg, runs):
     spec.loader.exec_module(module)
     cuda = torch.device("cuda")
     slots, b = masked.shape
-    to_torch = lambda a, dtype: torch.as_tensor(np.asarray(a.astype(jnp.float32)), device=cuda).to(dtype)
+    to_torch = lambda a, dtype: torch.as_tensor(np.array(a.astype(jnp.float32)), device=cuda).to(dtype)
     q_t = to_torch(q.reshape(slots * b, HEADS, HEAD_DIM), torch.bfloat16)
     k_t = to_torch(k.reshape(slots * b, KV_HEADS, HEAD_DIM), torch.bfloat16)
     masked_np = np.asarray(masked)

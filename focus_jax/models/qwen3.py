@@ -156,13 +156,17 @@ class Decoder(nnx.Module):
         once; unrolled, every layer is counted), at the price of compile time growing with depth.
         """
         graphdef, stacked = nnx.split(self.layers)
-        stacked = jax.tree.map(lambda a: a[start:], stacked)
+        # Each iteration reads its layer from the whole stack: slicing the stack to
+        # ``[start:]`` first would copy nearly every weight, every call.
+        indices = jnp.arange(start, jax.tree.leaves(stacked)[0].shape[0])
 
-        def step(carry: Any, layer_and_x: tuple[Any, Any]) -> tuple[Any, Any]:
-            layer_state, x = layer_and_x
+        def step(carry: Any, index_and_x: tuple[Any, Any]) -> tuple[Any, Any]:
+            index, x = index_and_x
+            layer_state = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked)
             return body(nnx.merge(graphdef, layer_state), carry, x)
 
-        return jax.lax.scan(step, carry, (stacked, xs), unroll=unroll)
+        return jax.lax.scan(step, carry, (indices, xs), unroll=unroll)
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """Final norm and LM head; logits in float32."""
