@@ -132,8 +132,13 @@ def importance_cases(slot_counts, runs, rng, reference_path):
 
 def reference_kernels(path, q, k, masked, ours, delta, progress, avg, runs):
     """The FOCUS reference implementation's Triton kernels, with torch, on the same inputs."""
-    import torch
+    import tempfile
 
+    import torch
+    import triton
+
+    if not triton.knobs.cache.dir:  # jax-triton leaves it unset
+        triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-")
     spec = importlib.util.spec_from_file_location("focus_reference_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
