@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import statistics
 import time
 
@@ -135,10 +136,9 @@ def reference_kernels(path, q, k, masked, ours, delta, progress, avg, runs):
     import tempfile
 
     import torch
-    import triton
 
-    if not triton.knobs.cache.dir:  # jax-triton leaves it unset
-        triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-")
+    if not os.environ.get("TRITON_CACHE_DIR"):  # importing jax-triton empties it
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-")
     spec = importlib.util.spec_from_file_location("focus_reference_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
