@@ -10,9 +10,12 @@ from typing import Any
 
 import jax
 
-PLATFORM_DEFAULT = {"tpu": "pallas_tpu", "gpu": "triton"}
-"""Platforms whose default is a kernel; every other platform (the CPU) runs the XLA reference.
-The GPU default is measured on the H200 in docs/kernels.md."""
+PLATFORM_DEFAULT = {
+    "ragged_attention": {"tpu": "pallas_tpu", "gpu": "triton"},
+    "focus_importance": {"tpu": "pallas_tpu", "gpu": "xla"},
+}
+"""Per op, the platforms whose default is a kernel; other platforms (the CPU) run the XLA
+reference. GPU defaults are what measured fastest on the H200 (docs/kernels.md)."""
 
 
 @functools.cache
@@ -20,9 +23,9 @@ def _jax_triton_installed() -> bool:
     return importlib.util.find_spec("jax_triton") is not None
 
 
-def default_impl() -> str:
-    """The platform's default implementation (GPUs without jax-triton fall back to XLA)."""
-    name = PLATFORM_DEFAULT.get(jax.default_backend(), "xla")
+def default_impl(op: str) -> str:
+    """The platform's default implementation of ``op`` (GPUs without jax-triton: XLA)."""
+    name = PLATFORM_DEFAULT[op].get(jax.default_backend(), "xla")
     if name == "triton" and not _jax_triton_installed():
         warnings.warn("jax-triton is not installed: the GPU runs the XLA attention and importance "
                       "(pip install 'focus-jax[gpu]' for the Triton kernels)", stacklevel=3)
@@ -32,7 +35,7 @@ def default_impl() -> str:
 
 def choose(op: str, impls: Mapping[str, Callable[..., Any]], impl: str | None) -> Callable[..., Any]:
     """The implementation named ``impl``, or the platform's default one."""
-    name = impl or default_impl()
+    name = impl or default_impl(op)
     if name not in impls:
         raise ValueError(f"{op}: unknown impl {name!r}; choose from {sorted(impls)}")
     return impls[name]

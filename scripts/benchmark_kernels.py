@@ -202,18 +202,20 @@ def main() -> None:
     parser.add_argument("--retained", default="0.05,0.1,0.25,0.5,1.0")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--focus-reference", help="the reference repo's kernels/cuda/focus.py")
+    parser.add_argument("--ops", default="importance,ragged_attention")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     parse = lambda text, kind: [kind(x) for x in text.split(",")]
-    result = {
-        "device": jax.devices()[0].device_kind,
-        "date": time.strftime("%Y-%m-%d"),
-        "importance": importance_cases(parse(args.slots, int), args.runs, rng,
-                                       args.focus_reference),
-        "ragged_attention": attention_cases(parse(args.slots, int), parse(args.kv_lens, int),
-                                            parse(args.retained, float), args.runs, rng),
-    }
+    ops = args.ops.split(",")
+    result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d")}
+    if "importance" in ops:
+        result["importance"] = importance_cases(parse(args.slots, int), args.runs, rng,
+                                                args.focus_reference)
+    if "ragged_attention" in ops:
+        result["ragged_attention"] = attention_cases(
+            parse(args.slots, int), parse(args.kv_lens, int), parse(args.retained, float),
+            args.runs, rng)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -35,16 +35,28 @@ IMPLS = [
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
 def test_importance_kernel_matches_reference(group, head_dim, block, impl):
+    _check_importance(group, head_dim, block, impl, jnp.float32, tolerance=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")
+@pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
+def test_triton_importance_in_bfloat16(group, head_dim, block):
+    """bf16 inputs: tensor-core products are exact, only the float32 summation order differs."""
+    _check_importance(group, head_dim, block, "triton", jnp.bfloat16, tolerance=1e-3)
+
+
+def _check_importance(group, head_dim, block, impl, dtype, tolerance):
     rng = np.random.default_rng(group * 1000 + head_dim + block)
     slots = 5
-    q = jnp.asarray(rng.normal(size=(slots, block, HEADS, head_dim)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(slots, block, HEADS // group, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(slots, block, HEADS, head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=(slots, block, HEADS // group, head_dim)), dtype)
     masked = rng.uniform(size=(slots, block)) < rng.uniform(0.2, 0.9, size=(slots, 1))
     masked[0], masked[1] = True, False  # every slot masked; none masked
     masked = jnp.asarray(masked)
     got = focus_importance(q, k, masked, impl=impl)
     want = importance_reference.importance(q, k, masked)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
