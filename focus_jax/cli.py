@@ -226,14 +226,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
                            args.max_new_tokens, mesh=mesh):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
-                   "step_ms": r.step_ms, "mfu": r.mfu(peak), "peak_flops": peak,
+                   "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
+                   "peak_flops": peak,
                    "model": str(args.model or args.geometry), "mesh": args.mesh,
                    "devices": jax.device_count()}
             rows.append(row)
             say(f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
-                f"MFU {100 * r.mfu(peak):5.1f}%  compile {r.compile_seconds:5.1f}s", flush=True)
+                f"MFU {100 * row['mfu']:5.1f}%  compile {r.compile_seconds:5.1f}s", flush=True)
             if args.json and is_primary():
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -160,7 +160,9 @@ class Engine:
             processed_ladder=bucket_ladder(slots * block, config.bucket_ladder),
             retained_ladder=bucket_ladder(slots * block, config.bucket_ladder),
             stop_token_ids=tuple(self.stop_token_ids),
-            kernels=config.kernels,
+            # The Triton custom calls have no SPMD partitioning rule: on a mesh of several
+            # devices the default is the XLA path, which the partitioner shards.
+            kernels=config.kernels or ("xla" if mesh is not None and mesh.size > 1 else None),
         )
         self.state = decoding.init_state(cfg, slots, self.cache_len, block,
                                          self.settings.mask_token_id, config.seed)
