@@ -20,6 +20,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Int
 
 from focus_jax import focus
@@ -55,6 +57,9 @@ class DecodeSettings:
     """Kernel implementation for attention and importance (``None``: the platform default)."""
     unroll_layers: bool = False
     """Unroll the layer scan (for cost analysis; compile time then grows with depth)."""
+    mesh: Mesh | None = None
+    """A mesh whose ``data`` axis splits the slots: each data shard then runs the step on its
+    own slots (its own compaction and buckets); the ladders count one shard's rows."""
 
     @property
     def delayed_cache(self) -> bool:
@@ -183,7 +188,39 @@ def _to_blocks(values: Array, rows: Int[Array, "n"], valid: Bool[Array, "n"],
 
 def step(model: Decoder, state: DecodeState,
          settings: DecodeSettings) -> tuple[DecodeState, StepLog]:
-    """One denoising (or commit) step for every live slot."""
+    """One denoising (or commit) step for every live slot.
+
+    With a ``data`` axis in ``settings.mesh``, every data shard steps its own slots
+    (``shard_map`` over ``data``; the ``model`` axis stays with the partitioner): compaction,
+    buckets and row gathers stay on the shard's devices instead of spanning all slots.
+    """
+    mesh = settings.mesh
+    if mesh is None or mesh.shape["data"] == 1:
+        return _step(model, state, settings, row_offset=0)
+
+    graphdef, params = nnx.split(model)
+    data = PartitionSpec("data")
+    state_spec = DecodeState(
+        **{f.name: data for f in dataclasses.fields(DecodeState)} | {
+            "rng": PartitionSpec(), "cache": KVCache(PartitionSpec(None, "data"),
+                                                     PartitionSpec(None, "data"))})
+    log_spec = StepLog(data, data, data, data, PartitionSpec(), PartitionSpec())
+
+    def shard_step(params, state: DecodeState) -> tuple[DecodeState, StepLog]:
+        # Rows are numbered globally so that sampling keys match the unsharded step.
+        offset = jax.lax.axis_index("data") * state.tokens.size
+        state, log = _step(nnx.merge(graphdef, params), state, settings, row_offset=offset)
+        # The slowest shard sets the pace: report the largest bucket of any shard.
+        return state, dataclasses.replace(
+            log, processed_bucket=jax.lax.pmax(log.processed_bucket, "data"),
+            retained_bucket=jax.lax.pmax(log.retained_bucket, "data"))
+
+    return jax.shard_map(shard_step, mesh=mesh, in_specs=(PartitionSpec(), state_spec),
+                         out_specs=(state_spec, log_spec), axis_names={"data"})(params, state)
+
+
+def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
+          row_offset: Int[Array, ""] | int) -> tuple[DecodeState, StepLog]:
     s, b = state.tokens.shape
     flat = s * b
     index = jnp.arange(b)
@@ -260,7 +297,8 @@ def step(model: Decoder, state: DecodeState,
                                          unroll=settings.unroll_layers)
 
     def head(rows, valid, x_flat):
-        token, confidence = _choose_tokens(model, settings.sampler, x_flat, rows, step_key)
+        token, confidence = _choose_tokens(model, settings.sampler, x_flat, rows, step_key,
+                                           row_offset)
         return _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
 
     token, confidence = retained_rows.run(head, x)
@@ -301,7 +339,7 @@ HEAD_CHUNK = 512
 
 
 def _choose_tokens(model: Decoder, sampler: Sampler, x_flat: Array, rows: Int[Array, "n"],
-                   key: Array) -> tuple[Int[Array, "n"], Array]:
+                   key: Array, row_offset: Int[Array, ""] | int) -> tuple[Int[Array, "n"], Array]:
     """LM head and sampling for ``rows``, ``HEAD_CHUNK`` rows at a time: float32 logits of a
     large vocabulary for every row at once would take gigabytes (and several temporaries)."""
     n = rows.shape[0]
@@ -309,7 +347,7 @@ def _choose_tokens(model: Decoder, sampler: Sampler, x_flat: Array, rows: Int[Ar
     padded = jnp.pad(rows, (0, chunks * HEAD_CHUNK - n)).reshape(chunks, -1)
 
     def chunk(rows_chunk):
-        keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_chunk)
+        keys = jax.vmap(lambda r: jax.random.fold_in(key, r + row_offset))(rows_chunk)
         return sampler(model.head(x_flat[rows_chunk]), keys)
 
     token, confidence = jax.lax.map(chunk, padded)

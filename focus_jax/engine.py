@@ -151,25 +151,28 @@ class Engine:
         self.prefill_batch = prefill_batch or min(slots, 8)
         self.stop_token_ids = (config.stop_token_ids if config.stop_token_ids is not None
                                else model.stop_token_ids)
+        data_shards = mesh.shape["data"] if mesh is not None else 1
+        if mesh is not None:
+            sharding.check_divisible(cfg, mesh, slots)
         self.settings = decoding.DecodeSettings(
             mode=config.mode, block_size=block, mask_token_id=model.mask_token_id,
             threshold=config.resolved_threshold, alpha=config.alpha,
             unmasking=config.unmasking,
             per_step=decoding.tokens_per_step(block, config.denoising_steps),
             sampler=Sampler(config.temperature, config.top_k, config.top_p),
-            processed_ladder=bucket_ladder(slots * block, config.bucket_ladder),
-            retained_ladder=bucket_ladder(slots * block, config.bucket_ladder),
+            processed_ladder=bucket_ladder(slots // data_shards * block, config.bucket_ladder),
+            retained_ladder=bucket_ladder(slots // data_shards * block, config.bucket_ladder),
             stop_token_ids=tuple(self.stop_token_ids),
             # The Triton custom calls have no SPMD partitioning rule: on a mesh of several
             # devices the default is the XLA path, which the partitioner shards.
             kernels=config.kernels or ("xla" if mesh is not None and mesh.size > 1 else None),
+            mesh=mesh if data_shards > 1 else None,
         )
         self.state = decoding.init_state(cfg, slots, self.cache_len, block,
                                          self.settings.mask_token_id, config.seed)
         if mesh is not None:
-            # Slots (and the cache) over "data", heads and MLP over "model"; the programs are
-            # the same, JAX's SPMD partitioner shards them.
-            sharding.check_divisible(cfg, mesh, slots)
+            # Slots (and the cache) over "data", heads and MLP over "model": each data shard
+            # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
             model = dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
             self.model = model
             self.state = sharding.place(self.state, sharding.state_sharding(self.state, mesh))

@@ -24,7 +24,7 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert {(r["mode"], tuple(r["mesh"])) for r in rows} == {
         (mode, mesh) for mode in ("baseline", "delayed", "focus")
-        for mesh in ((8, 1), (1, 8), (2, 4))}
+        for mesh in ((8, 1), (1, 8), (2, 4))} | {("focus-sampled", (8, 1))}
     for row in rows:
         data, model = row["mesh"]
         assert row["equal"], row

@@ -23,23 +23,26 @@ def main() -> None:
     assert len(jax.devices()) == 8, jax.devices()
     for mode in sys.argv[1:]:
         compare(mode)
+    # Sampling: every data shard draws with the keys of the rows' global positions.
+    compare("focus", temperature=0.8, meshes=((8, 1),))
 
 
-def compare(mode: str) -> None:
+def compare(mode: str, temperature: float = 0.0,
+            meshes: tuple[tuple[int, int], ...] = ((8, 1), (1, 8), (2, 4))) -> None:
     # Eight query and KV heads, so that the model axis can take all 8 devices.
     model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
     prompts = random_prompts(8, 128, 2, 14, seed=31)
     config = GenerationConfig(mode=mode, block_size=4, threshold=0.04, alpha=1.0,
                               max_new_tokens=8, stop_token_ids=(), max_batch=8,
-                              bucket_ladder=(0.25, 0.5, 1.0))
+                              bucket_ladder=(0.25, 0.5, 1.0), temperature=temperature)
     single = [r.token_ids for r in generate(model, prompts, config)]
-    for data, parallel in ((8, 1), (1, 8), (2, 4)):
+    for data, parallel in meshes:
         engine = Engine(model, config, slots=8, cache_len=32, mesh=make_mesh(data, parallel))
         ids = [engine.submit(p) for p in prompts]
         results = engine.run()
         gate = engine.model.params["layers"]["mlp"]["gate_proj"]
         print(json.dumps({
-            "mode": mode, "mesh": [data, parallel],
+            "mode": mode + ("-sampled" if temperature else ""), "mesh": [data, parallel],
             "equal": [results[i].token_ids for i in ids] == single,
             # After the run, the cache and the weights are still spread over the devices.
             "cache_shards": len({s.device for s in engine.state.cache.k.addressable_shards
