@@ -5,8 +5,10 @@ Prints one JSON line per mode and mesh: whether the tokens are equal, and how th
 weight are spread over the devices after the run.
 """
 
+import collections
 import json
 import os
+import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,7 +16,10 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import numpy as np  # noqa: E402
+
 from focus_jax import Engine, GenerationConfig, generate  # noqa: E402
+from focus_jax.engine import _round  # noqa: E402
 from focus_jax.sharding import make_mesh  # noqa: E402
 from focus_jax.testing import random_prompts, tiny_model  # noqa: E402
 
@@ -25,6 +30,20 @@ def main() -> None:
         compare(mode)
     # Sampling: every data shard draws with the keys of the rows' global positions.
     compare("focus", temperature=0.8, meshes=((8, 1),))
+    print(json.dumps({"collectives": data_parallel_collectives()}), flush=True)
+
+
+def data_parallel_collectives() -> dict[str, int]:
+    """Collectives in the compiled decode round on an 8-way data mesh (each shard steps its own
+    slots, so the step itself needs none)."""
+    model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
+    config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8, stop_token_ids=())
+    engine = Engine(model, config, slots=8, cache_len=32, mesh=make_mesh(8, 1))
+    text = _round.lower(engine.model.graphdef, engine.settings, config.steps_per_round,
+                        engine.model.params, engine.state, np.asarray(False)).compile().as_text()
+    ops = re.findall(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
+                     r"(?:-start)?\(", text)
+    return dict(collections.Counter(ops))
 
 
 def compare(mode: str, temperature: float = 0.0,
