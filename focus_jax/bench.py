@@ -8,15 +8,17 @@ wall time of the whole run (prompt tokens not counted), after warm-up compilatio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import monitoring
 from jax.sharding import Mesh
 
 from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig
@@ -25,6 +27,23 @@ from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
 
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[list[str]]:
+    """Collects one entry per XLA backend compilation while the block runs."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == BACKEND_COMPILE:
+            events.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
 
 
 def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX) -> list[int]:
@@ -75,6 +94,10 @@ class BenchResult:
     decoded_per_step: float
     model_flops: float
     compile_seconds: float
+    host_seconds: float
+    """Host time between decode rounds (the device idle)."""
+    compilations: int
+    """XLA compilations during the timed run (after warm-up): should be 0."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -109,7 +132,8 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
         compile_seconds = time.perf_counter() - start
         for prompt in prompts:
             engine.submit(prompt)
-        engine.run(progress=progress)
+        with count_compilations() as compilations:
+            engine.run(progress=progress)
         s = engine.stats
         steps = max(s.steps, 1)
         flops = layer_flops_per_token(cfg) * (2 * s.processed_tokens
@@ -120,5 +144,6 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
             wall_seconds=s.wall_seconds, steps=s.steps,
             processed_per_step=s.processed_tokens / steps,
             retained_per_step=s.retained_tokens / steps, decoded_per_step=s.decoded_tokens / steps,
-            model_flops=flops, compile_seconds=compile_seconds))
+            model_flops=flops, compile_seconds=compile_seconds, host_seconds=s.host_seconds,
+            compilations=len(compilations)))
     return results

@@ -234,7 +234,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             say(f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
-                f"MFU {100 * row['mfu']:5.1f}%  compile {r.compile_seconds:5.1f}s", flush=True)
+                f"MFU {100 * row['mfu']:5.1f}%  compile {r.compile_seconds:5.1f}s  "
+                f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
+                f"compiles after warm-up {r.compilations}", flush=True)
             if args.json and is_primary():
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

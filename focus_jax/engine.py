@@ -76,6 +76,9 @@ class RunStats:
     retained_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Steps per bucket size (rows) of the retained-token compaction."""
     wall_seconds: float = 0.0
+    host_seconds: float = 0.0
+    """Wall time spent on the host between decode rounds (statistics, refills, dispatch): the
+    device has nothing queued then."""
 
     def token_layers(self, num_layers: int) -> int:
         """Token-layers computed: processed tokens through layers 0-1, retained through the rest."""
@@ -242,12 +245,17 @@ class Engine:
         bar = tqdm(total=total, unit="tok", disable=not progress, desc=self.config.mode)
         start = time.perf_counter()
         while self._queue or any(r is not None for r in self._slot_request):
+            host_start = time.perf_counter()
             self._fill_free_slots()
             self.state, logs, steps = self._round(
                 self.model.params, self.state, np.asarray(bool(self._queue)))
+            self.stats.host_seconds += time.perf_counter() - host_start
             # One transfer per round: the step logs and the slots' progress.
-            self._after_round(*to_host((logs, steps, self.state.live, self.state.out_len,
-                                        self.state.history, self.state.sequence)), bar)
+            fetched = to_host((logs, steps, self.state.live, self.state.out_len,
+                               self.state.history, self.state.sequence))
+            host_start = time.perf_counter()
+            self._after_round(*fetched, bar)
+            self.stats.host_seconds += time.perf_counter() - host_start
         self.stats.wall_seconds += time.perf_counter() - start
         bar.close()
         results, self._results = self._results, {}

@@ -1,34 +1,16 @@
 """Static shapes: a long run compiles nothing after warm-up, and skipped work is really skipped
 (XLA's compiled cost analysis of the decode step)."""
 
-import contextlib
 import dataclasses
 
 import jax
 import pytest
-from jax import monitoring
 
 from focus_jax import GenerationConfig
+from focus_jax.bench import count_compilations
 from focus_jax.decoding import DecodeState, step
 from focus_jax.engine import Engine
 from focus_jax.testing import random_prompts, tiny_model
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compilations():
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE:
-            events.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.mark.parametrize("mode", ["baseline", "focus"])
@@ -85,3 +67,19 @@ def test_focus_step_in_the_smallest_bucket_costs_a_third_of_baseline(deep_model)
     baseline = step_flops(deep_model, "baseline", (total,), (total,))
     focus = step_flops(deep_model, "focus", (total,), (2,))
     assert focus <= baseline / 3
+
+
+def test_bench_counts_no_compilation_after_warmup_and_reports_host_time(model):
+    from focus_jax import bench
+
+    results = bench.run(model, ["baseline", "focus"], batch=4, requests=6, max_new_tokens=8,
+                        block_size=4, threshold=0.04, alpha=1.0)
+    for r in results:
+        assert r.compilations == 0, r
+        assert r.generated_tokens == 6 * 8  # no stop tokens: every request runs to the cap
+        assert 0 < r.host_seconds < r.wall_seconds
+        assert r.retained_per_step <= r.processed_per_step
+    # The counter does count: a new shape compiles.
+    with bench.count_compilations() as events:
+        jax.jit(lambda x: x * 3)(jax.numpy.ones(7))
+    assert len(events) >= 1
