@@ -25,28 +25,24 @@ SHAPES = [(1, 64, 4), (2, 128, 8), (4, 64, 16), (8, 128, 32), (2, 64, 64)]
 HEADS = 8
 
 ON_GPU = jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
-IMPLS = [
-    "pallas_tpu_interpret",
-    pytest.param("triton", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")]),
-]
+GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(
+    not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")]
+IMPLS = ["pallas_tpu_interpret", pytest.param("triton", marks=GPU_MARKS)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+
+def cases(bf16_tolerance: float) -> list:
+    """(impl, dtype, tolerance): every kernel in float32; the Triton ones also in bf16 (the
+    engine's dtype, float32 accumulation on both sides), against the reference on the same
+    bf16 inputs."""
+    return [("pallas_tpu_interpret", jnp.float32, 2e-5),
+            pytest.param("triton", jnp.float32, 2e-5, marks=GPU_MARKS),
+            pytest.param("triton", jnp.bfloat16, bf16_tolerance, marks=GPU_MARKS)]
+
+
+@pytest.mark.parametrize(("impl", "dtype", "tolerance"), cases(bf16_tolerance=1e-3))
 @pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
-def test_importance_kernel_matches_reference(group, head_dim, block, impl):
-    _check_importance(group, head_dim, block, impl, jnp.float32, tolerance=2e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")
-@pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
-def test_triton_importance_in_bfloat16(group, head_dim, block):
-    """bf16 inputs: tensor-core products are exact, only the float32 summation order differs."""
-    _check_importance(group, head_dim, block, "triton", jnp.bfloat16, tolerance=1e-3)
-
-
-def _check_importance(group, head_dim, block, impl, dtype, tolerance):
+def test_importance_kernel_matches_reference(group, head_dim, block, impl, dtype, tolerance):
     rng = np.random.default_rng(group * 1000 + head_dim + block)
     slots = 5
     q = jnp.asarray(rng.normal(size=(slots, block, HEADS, head_dim)), dtype)
@@ -59,21 +55,10 @@ def _check_importance(group, head_dim, block, impl, dtype, tolerance):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("impl", "dtype", "tolerance"), cases(bf16_tolerance=2e-2))
 @pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
-def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl):
-    _check_ragged_attention(group, head_dim, block, impl, jnp.float32, tolerance=2e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")
-@pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
-def test_triton_ragged_attention_in_bfloat16(group, head_dim, block):
-    """The engine's dtype: bf16 inputs, float32 accumulation on both sides."""
-    _check_ragged_attention(group, head_dim, block, "triton", jnp.bfloat16, tolerance=2e-2)
-
-
-def _check_ragged_attention(group, head_dim, block, impl, dtype, tolerance):
+def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl, dtype,
+                                                   tolerance):
     rng = np.random.default_rng(group * 100 + head_dim + block)
     layers, slots, positions = 2, 5, 256
     kv_heads = HEADS // group
