@@ -83,3 +83,26 @@ def test_bench_counts_no_compilation_after_warmup_and_reports_host_time(model):
     with bench.count_compilations() as events:
         jax.jit(lambda x: x * 3)(jax.numpy.ones(7))
     assert len(events) >= 1
+
+
+def test_decode_round_temporaries_do_not_grow_with_depth():
+    """The round reads each layer's weights from the stack in place: a copy of the stacked
+    weights (as slicing them to ``[2:]`` once made) would grow its temporaries with depth."""
+    import numpy as np
+
+    from focus_jax.engine import _round
+
+    def round_temporaries(num_layers: int) -> tuple[int, int]:
+        model = tiny_model(seed=0, scale=4.0, num_layers=num_layers)
+        config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8,
+                                  stop_token_ids=())
+        engine = Engine(model, config, slots=4, cache_len=64)
+        compiled = _round.lower(model.graphdef, engine.settings, config.steps_per_round,
+                                model.params, engine.state, np.asarray(False)).compile()
+        params = sum(x.nbytes for x in jax.tree.leaves(model.params))
+        return compiled.memory_analysis().temp_size_in_bytes, params
+
+    shallow, shallow_params = round_temporaries(4)
+    deep, deep_params = round_temporaries(8)
+    four_layers = deep_params - shallow_params
+    assert deep - shallow < four_layers / 4, (shallow, deep, four_layers)
