@@ -223,7 +223,7 @@ class GenerationConfig:
     """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size."""
     kernels: str | None = None
     """Kernels for attention and FOCUS importance: ``xla``, ``pallas_tpu``,
-    ``pallas_tpu_interpret`` (None: the platform's default)."""
+    ``pallas_tpu_interpret``, ``triton`` (None: the platform's default)."""
     steps_per_round: int = 32
     """Denoising steps run on the device per host round trip (streaming and progress granularity)."""
 

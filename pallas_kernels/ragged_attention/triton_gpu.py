@@ -92,12 +92,16 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     _, h, d = q.shape
     _, slots, positions, kv_heads, _ = k_cache.shape
     group = h // kv_heads
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        # Casting here would copy the whole cache (every layer) on every call.
+        raise ValueError(f"ragged_attention: cache dtype {k_cache.dtype} differs from the "
+                         f"queries' {q.dtype}")
     first_row, row_count = slot_runs(rows, valid, slots, block_size)
     vectors = block_size * group
     block_m = min(TILE_M, max(16, triton.next_power_of_2(vectors)))
     precision = "ieee" if q.dtype == jnp.float32 else "tf32"
     return jax_triton.triton_call(
-        q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), first_row.astype(jnp.int32),
+        q, k_cache, v_cache, first_row.astype(jnp.int32),
         row_count.astype(jnp.int32), jnp.asarray(kv_len, jnp.int32),
         jnp.asarray(layer, jnp.int32).reshape(1),
         kernel=_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
