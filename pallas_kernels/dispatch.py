@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,6 +32,21 @@ def default_impl(op: str) -> str:
                       "(pip install 'focus-jax[gpu]' for the Triton kernels)", stacklevel=3)
         return "xla"
     return name
+
+
+def implementations(package: str, function: str) -> dict[str, Callable[..., Any]]:
+    """Every backend of one op: each of ``package``'s modules ``reference`` (the XLA path),
+    ``pallas_tpu`` and ``triton_gpu`` defines ``function``. The Triton module is imported on
+    first call (it needs triton and jax-triton, which only GPU installs have)."""
+    def load(module: str) -> Callable[..., Any]:
+        return getattr(importlib.import_module(f"{package}.{module}"), function)
+
+    def triton(*args: Any, **kwargs: Any) -> Any:
+        return load("triton_gpu")(*args, **kwargs)
+
+    return {"xla": load("reference"), "pallas_tpu": load("pallas_tpu"),
+            "pallas_tpu_interpret": functools.partial(load("pallas_tpu"), interpret=True),
+            "triton": triton}
 
 
 def choose(op: str, impls: Mapping[str, Callable[..., Any]], impl: str | None) -> Callable[..., Any]:

@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import functools
+from pallas_kernels.dispatch import choose, implementations
 
-from pallas_kernels.dispatch import choose
-from pallas_kernels.focus_importance import pallas_tpu, reference
-
-
-def _triton(*args, **kwargs):
-    from pallas_kernels.focus_importance import triton_gpu  # needs triton and jax-triton: GPU only
-
-    return triton_gpu.importance(*args, **kwargs)
-
-
-IMPLS = {
-    "xla": reference.importance,
-    "pallas_tpu": pallas_tpu.importance,
-    "pallas_tpu_interpret": functools.partial(pallas_tpu.importance, interpret=True),
-    "triton": _triton,
-}
+IMPLS = implementations("pallas_kernels.focus_importance", "importance")
 
 
 def focus_importance(q, k, masked, *, impl: str | None = None):

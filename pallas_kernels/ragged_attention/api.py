@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import functools
+from pallas_kernels.dispatch import choose, implementations
 
-from pallas_kernels.dispatch import choose
-from pallas_kernels.ragged_attention import pallas_tpu, reference
-
-
-def _triton(*args, **kwargs):
-    from pallas_kernels.ragged_attention import triton_gpu  # needs triton and jax-triton: GPU only
-
-    return triton_gpu.ragged_attention(*args, **kwargs)
-
-
-IMPLS = {
-    "xla": reference.ragged_attention,
-    "pallas_tpu": pallas_tpu.ragged_attention,
-    "pallas_tpu_interpret": functools.partial(pallas_tpu.ragged_attention, interpret=True),
-    "triton": _triton,
-}
+IMPLS = implementations("pallas_kernels.ragged_attention", "ragged_attention")
 
 
 def ragged_attention(*args, impl: str | None = None, **kwargs):
