@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Int
 
-from focus_jax import focus
+from focus_jax import focus, sharding
 from focus_jax.cache import KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
@@ -58,8 +58,9 @@ class DecodeSettings:
     unroll_layers: bool = False
     """Unroll the layer scan (for cost analysis; compile time then grows with depth)."""
     mesh: Mesh | None = None
-    """A mesh whose ``data`` axis splits the slots: each data shard then runs the step on its
-    own slots (its own compaction and buckets); the ladders count one shard's rows."""
+    """The mesh the state lives on. Where its ``data`` axis splits the slots, each data shard
+    runs the step on its own slots (its own compaction and buckets; the ladders count one
+    shard's rows)."""
 
     @property
     def delayed_cache(self) -> bool:
@@ -199,11 +200,9 @@ def step(model: Decoder, state: DecodeState,
         return _step(model, state, settings, row_offset=0)
 
     graphdef, params = nnx.split(model)
+    # Specs name the manual axis only: the model axis stays with the partitioner.
+    state_spec = sharding.state_specs(state, kv_heads=None)
     data = PartitionSpec("data")
-    state_spec = DecodeState(
-        **{f.name: data for f in dataclasses.fields(DecodeState)} | {
-            "rng": PartitionSpec(), "cache": KVCache(PartitionSpec(None, "data"),
-                                                     PartitionSpec(None, "data"))})
     log_spec = StepLog(data, data, data, data, PartitionSpec(), PartitionSpec())
 
     def shard_step(params, state: DecodeState) -> tuple[DecodeState, StepLog]:

@@ -8,11 +8,12 @@ step), collects finished requests, streams new tokens and keeps statistics.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -154,22 +155,24 @@ class Engine:
         self.prefill_batch = prefill_batch or min(slots, 8)
         self.stop_token_ids = (config.stop_token_ids if config.stop_token_ids is not None
                                else model.stop_token_ids)
-        data_shards = mesh.shape["data"] if mesh is not None else 1
         if mesh is not None:
             sharding.check_divisible(cfg, mesh, slots)
+        # Each data shard compacts its own slots' rows (decoding.step).
+        data_shards = mesh.shape["data"] if mesh is not None else 1
+        ladder = bucket_ladder(slots // data_shards * block, config.bucket_ladder)
         self.settings = decoding.DecodeSettings(
             mode=config.mode, block_size=block, mask_token_id=model.mask_token_id,
             threshold=config.resolved_threshold, alpha=config.alpha,
             unmasking=config.unmasking,
             per_step=decoding.tokens_per_step(block, config.denoising_steps),
             sampler=Sampler(config.temperature, config.top_k, config.top_p),
-            processed_ladder=bucket_ladder(slots // data_shards * block, config.bucket_ladder),
-            retained_ladder=bucket_ladder(slots // data_shards * block, config.bucket_ladder),
+            processed_ladder=ladder,
+            retained_ladder=ladder,
             stop_token_ids=tuple(self.stop_token_ids),
             # The Triton custom calls have no SPMD partitioning rule: on a mesh of several
             # devices the default is the XLA path, which the partitioner shards.
             kernels=config.kernels or ("xla" if mesh is not None and mesh.size > 1 else None),
-            mesh=mesh if data_shards > 1 else None,
+            mesh=mesh,
         )
         self.state = decoding.init_state(cfg, slots, self.cache_len, block,
                                          self.settings.mask_token_id, config.seed)
@@ -245,21 +248,28 @@ class Engine:
         bar = tqdm(total=total, unit="tok", disable=not progress, desc=self.config.mode)
         start = time.perf_counter()
         while self._queue or any(r is not None for r in self._slot_request):
-            host_start = time.perf_counter()
-            self._fill_free_slots()
-            self.state, logs, steps = self._round(
-                self.model.params, self.state, np.asarray(bool(self._queue)))
-            self.stats.host_seconds += time.perf_counter() - host_start
-            # One transfer per round: the step logs and the slots' progress.
+            with self._host_time():
+                self._fill_free_slots()
+                self.state, logs, steps = self._round(
+                    self.model.params, self.state, np.asarray(bool(self._queue)))
+            # One transfer per round (waiting for the device): the step logs and slot progress.
             fetched = to_host((logs, steps, self.state.live, self.state.out_len,
                                self.state.history, self.state.sequence))
-            host_start = time.perf_counter()
-            self._after_round(*fetched, bar)
-            self.stats.host_seconds += time.perf_counter() - host_start
+            with self._host_time():
+                self._after_round(*fetched, bar)
         self.stats.wall_seconds += time.perf_counter() - start
         bar.close()
         results, self._results = self._results, {}
         return results
+
+    @contextlib.contextmanager
+    def _host_time(self) -> Iterator[None]:
+        """Counts the block's wall time as host time (the device has nothing queued)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.host_seconds += time.perf_counter() - start
 
     def _fill_free_slots(self) -> None:
         free = [i for i, r in enumerate(self._slot_request) if r is None]

@@ -7,6 +7,7 @@ over ``model``). JAX's SPMD partitioner does the rest: the code under ``jit`` is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -85,15 +86,16 @@ def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
     return place(params, param_shardings(params, mesh))
 
 
+def state_specs(state, kv_heads: str | None = "model"):
+    """PartitionSpecs of a decode state: every array's leading slot axis over ``data``, the KV
+    cache ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``kv_heads``, the random
+    key replicated."""
+    specs = jax.tree.map(lambda _: PartitionSpec("data"), state)
+    cache = PartitionSpec(None, "data", None, kv_heads, None)
+    return dataclasses.replace(specs, rng=PartitionSpec(), cache=type(state.cache)(cache, cache))
+
+
 def state_sharding(state, mesh: Mesh):
-    """Decode state: every array's leading slot axis over ``data``; the KV cache
-    ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``model``."""
-    from focus_jax.decoding import DecodeState
-
-    def by_slot(a):
-        return NamedSharding(mesh, PartitionSpec("data") if np.ndim(a) else PartitionSpec())
-
-    cache = NamedSharding(mesh, PartitionSpec(None, "data", None, "model", None))
-    shardings = jax.tree.map(by_slot, state)
-    return DecodeState(**{**shardings.__dict__, "rng": NamedSharding(mesh, PartitionSpec()),
-                          "cache": type(state.cache)(cache, cache)})
+    """NamedShardings of a decode state on ``mesh`` (see :func:`state_specs`)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))

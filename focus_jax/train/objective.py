@@ -35,6 +35,12 @@ from jaxtyping import Array, Bool, Float, Int
 from focus_jax.models.qwen3 import Decoder, forward_hidden
 
 
+def within_cutoff(length: int, block_size: int,
+                  cutoff: Int[Array, "... blocks"]) -> Bool[Array, "... l"]:
+    """True for positions at or before their block's cut-off slot."""
+    return jnp.arange(length) % block_size <= jnp.repeat(cutoff, block_size, axis=-1)
+
+
 def block_diffusion_mask(length: int, block_size: int,
                          cutoff: Int[Array, "... blocks"] | None = None) -> Bool[Array, "... 2l 2l"]:
     """Attention mask over ``[noisy copy, clean copy]``: True where a query sees a key.
@@ -45,8 +51,7 @@ def block_diffusion_mask(length: int, block_size: int,
     block = jnp.arange(length) // block_size
     noisy_to_noisy = block[:, None] == block[None, :]
     if cutoff is not None:
-        visible = jnp.arange(length) % block_size <= jnp.repeat(cutoff, block_size, axis=-1)
-        noisy_to_noisy = noisy_to_noisy & visible[..., None, :]
+        noisy_to_noisy = noisy_to_noisy & within_cutoff(length, block_size, cutoff)[..., None, :]
     noisy_to_clean = block[None, :] < block[:, None]
     clean_to_clean = block[None, :] <= block[:, None]
     never = jnp.zeros((length, length), bool)
@@ -86,8 +91,7 @@ def loss(model: Decoder, tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"
         truncated = jax.random.uniform(pick_key, (b, blocks)) < truncate_prob
         cutoff = jnp.where(truncated, cutoff, block_size - 1)
         mask = block_diffusion_mask(length, block_size, cutoff)
-        masked = masked & ((jnp.arange(length) % block_size)
-                           <= jnp.repeat(cutoff, block_size, axis=1))
+        masked = masked & within_cutoff(length, block_size, cutoff)
     else:
         mask = block_diffusion_mask(length, block_size)
     inputs = jnp.concatenate([noisy, tokens], axis=1)
