@@ -94,6 +94,9 @@ class BenchResult:
     decoded_per_step: float
     model_flops: float
     compile_seconds: float
+    decode_seconds: float
+    """Time in decode rounds (``step_ms`` is this per step)."""
+    prefill_seconds: float
     host_seconds: float
     """Host time between decode rounds (the device idle)."""
     compilations: int
@@ -105,7 +108,8 @@ class BenchResult:
 
     @property
     def step_ms(self) -> float:
-        return 1000 * self.wall_seconds / max(self.steps, 1)
+        """Decode step time (prefill and host time between rounds excluded)."""
+        return 1000 * self.decode_seconds / max(self.steps, 1)
 
     def mfu(self, peak: float) -> float:
         return self.model_flops / self.wall_seconds / peak
@@ -144,6 +148,7 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
             wall_seconds=s.wall_seconds, steps=s.steps,
             processed_per_step=s.processed_tokens / steps,
             retained_per_step=s.retained_tokens / steps, decoded_per_step=s.decoded_tokens / steps,
-            model_flops=flops, compile_seconds=compile_seconds, host_seconds=s.host_seconds,
+            model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
+            prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
             compilations=len(compilations)))
     return results

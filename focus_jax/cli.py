@@ -221,10 +221,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
         f"measured bf16 peak {peak / 1e12:.0f} TFLOP/s")
+    ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
+              if args.bucket_ladder else {})
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
-                           args.max_new_tokens, mesh=mesh):
+                           args.max_new_tokens, mesh=mesh, **ladder):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "peak_flops": peak,
@@ -235,6 +237,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}%  compile {r.compile_seconds:5.1f}s  "
+                f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
                 f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
                 f"compiles after warm-up {r.compilations}", flush=True)
             if args.json and is_primary():
@@ -298,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--requests-per-slot", type=int, default=1)
     be.add_argument("--max-new-tokens", type=int, default=1024)
     be.add_argument("--modes", default="baseline,delayed,focus")
+    be.add_argument("--bucket-ladder", default=None,
+                    help="compaction bucket sizes as fractions of slots x block, comma-separated")
     be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)

@@ -77,9 +77,13 @@ class RunStats:
     retained_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Steps per bucket size (rows) of the retained-token compaction."""
     wall_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    """Wall time from handing a decode round to the device until its results are on the host."""
+    prefill_seconds: float = 0.0
+    """Wall time from handing prefills to the device until they are done."""
     host_seconds: float = 0.0
-    """Wall time spent on the host between decode rounds (statistics, refills, dispatch): the
-    device has nothing queued then."""
+    """Wall time of host work between rounds (statistics, streaming, building prefill batches):
+    the device has nothing queued then."""
 
     def token_layers(self, num_layers: int) -> int:
         """Token-layers computed: processed tokens through layers 0-1, retained through the rest."""
@@ -248,14 +252,15 @@ class Engine:
         bar = tqdm(total=total, unit="tok", disable=not progress, desc=self.config.mode)
         start = time.perf_counter()
         while self._queue or any(r is not None for r in self._slot_request):
-            with self._host_time():
-                self._fill_free_slots()
+            self._fill_free_slots()
+            with self._timed("decode_seconds"):
                 self.state, logs, steps = self._round(
                     self.model.params, self.state, np.asarray(bool(self._queue)))
-            # One transfer per round (waiting for the device): the step logs and slot progress.
-            fetched = to_host((logs, steps, self.state.live, self.state.out_len,
-                               self.state.history, self.state.sequence))
-            with self._host_time():
+                # One transfer per round: the step logs and slot progress. (On GPUs the call
+                # above may already have waited: XLA reads a while loop's condition each step.)
+                fetched = to_host((logs, steps, self.state.live, self.state.out_len,
+                                   self.state.history, self.state.sequence))
+            with self._timed("host_seconds"):
                 self._after_round(*fetched, bar)
         self.stats.wall_seconds += time.perf_counter() - start
         bar.close()
@@ -263,25 +268,33 @@ class Engine:
         return results
 
     @contextlib.contextmanager
-    def _host_time(self) -> Iterator[None]:
-        """Counts the block's wall time as host time (the device has nothing queued)."""
+    def _timed(self, field: str) -> Iterator[None]:
+        """Adds the block's wall time to ``self.stats.<field>``."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.stats.host_seconds += time.perf_counter() - start
+            setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - start)
 
     def _fill_free_slots(self) -> None:
         free = [i for i, r in enumerate(self._slot_request) if r is None]
-        while free and self._queue:
-            batch = [self._queue.popleft() for _ in range(min(len(free), self.prefill_batch,
-                                                               len(self._queue)))]
-            slots = [free.pop(0) for _ in batch]
-            self._prefill_batch(batch, slots)
-            for request, slot in zip(batch, slots, strict=False):
-                self._slot_request[slot] = request
+        batches = []
+        with self._timed("host_seconds"):
+            while free and self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(free), self.prefill_batch,
+                                                                   len(self._queue)))]
+                slots = [free.pop(0) for _ in batch]
+                batches.append(self._prefill_inputs(batch, slots))
+                for request, slot in zip(batch, slots, strict=False):
+                    self._slot_request[slot] = request
+        if batches:
+            with self._timed("prefill_seconds"):
+                for inputs in batches:
+                    self._run_prefill(*inputs)
+                jax.block_until_ready(self.state)
 
-    def _prefill_batch(self, batch: list[_Request], slots: list[int]) -> None:
+    def _prefill_inputs(self, batch: list[_Request],
+                        slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         n = self.prefill_batch
         longest = max(len(r.prompt) for r in batch)
         length = self._prompt_bucket(longest)
@@ -292,7 +305,7 @@ class Engine:
         for row, (request, slot) in enumerate(zip(batch, slots, strict=False)):
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], slot_ids[row], max_new[row] = len(request.prompt), slot, request.max_new_tokens
-        self._run_prefill(tokens, lengths, slot_ids, max_new)
+        return tokens, lengths, slot_ids, max_new
 
     def _prompt_bucket(self, length: int) -> int:
         return next(size for size in prompt_buckets(self.block_size, self.cache_len)
