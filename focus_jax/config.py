@@ -19,7 +19,11 @@ SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64)
 MODES = ("baseline", "delayed", "focus")
 UNMASKING_RULES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 DEFAULT_THRESHOLD = {"baseline": 0.9, "delayed": 0.9, "focus": 0.8}
-DEFAULT_LADDER = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+# Compaction buckets (fractions of slots x block): steps of 1/32 up to 1/4, of 1/16 up to 1/2,
+# then of 1/8. FOCUS typically retains a fifth to a quarter of a block's tokens and processes
+# about half, so the fine steps sit where they save the most; 16 buckets, 16 compiled branches.
+DEFAULT_LADDER = (tuple(k / 32 for k in range(1, 8)) + tuple(k / 16 for k in range(4, 8))
+                  + tuple(k / 8 for k in range(4, 9)))
 
 Mode = Literal["baseline", "delayed", "focus"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]

@@ -118,14 +118,15 @@ def cache_length(block_size: int, positions: int) -> int:
 
 
 def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
-    """Padded lengths ``B * 4^k`` below ``positions``, and ``positions`` itself.
+    """Padded lengths ``B * 2^k`` below ``positions``, and ``positions`` itself.
 
-    Prefill pads prompts to these (few buckets: few compilations, some padding).
+    Prefill pads prompts to these: a prompt computes at most twice its length (half of it on
+    average with the long-tailed prompt lengths of chat traffic), from a few compilations.
     """
     sizes, size = {positions}, block_size
     while size < positions:
         sizes.add(size)
-        size *= 4
+        size *= 2
     return tuple(sorted(sizes))
 
 
@@ -280,12 +281,15 @@ class Engine:
         free = [i for i, r in enumerate(self._slot_request) if r is None]
         batches = []
         with self._timed("host_seconds"):
-            while free and self._queue:
-                batch = [self._queue.popleft() for _ in range(min(len(free), self.prefill_batch,
-                                                                   len(self._queue)))]
+            # Admit in queue order; prefill the admitted ones shortest first, so that each
+            # prefill batch pads to a length close to its members'.
+            admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            admitted.sort(key=lambda r: len(r.prompt))
+            for start in range(0, len(admitted), self.prefill_batch):
+                batch = admitted[start:start + self.prefill_batch]
                 slots = [free.pop(0) for _ in batch]
                 batches.append(self._prefill_inputs(batch, slots))
-                for request, slot in zip(batch, slots, strict=False):
+                for request, slot in zip(batch, slots, strict=True):
                     self._slot_request[slot] = request
         if batches:
             with self._timed("prefill_seconds"):
