@@ -112,7 +112,12 @@ class BenchResult:
         return 1000 * self.decode_seconds / max(self.steps, 1)
 
     def mfu(self, peak: float) -> float:
+        """Model FLOPs utilisation over the whole run (prefill and host time included)."""
         return self.model_flops / self.wall_seconds / peak
+
+    def decode_mfu(self, peak: float) -> float:
+        """Model FLOPs utilisation of the decode rounds alone."""
+        return self.model_flops / self.decode_seconds / peak
 
 
 def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
