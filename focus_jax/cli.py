@@ -232,6 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
                    "peak_flops": peak,
                    "model": str(args.model or args.geometry), "mesh": args.mesh,
+                   "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             rows.append(row)
             say(f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "

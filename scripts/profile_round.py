@@ -34,7 +34,8 @@ SOURCE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
 
 
 def op_sources(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the JAX op name and source line recorded in its metadata."""
+    """HLO instruction name -> the JAX op name (and source line, where the HLO text has one)
+    recorded in its metadata."""
     sources = {}
     for line in hlo_text.splitlines():
         match = METADATA.match(line)
@@ -44,7 +45,8 @@ def op_sources(hlo_text: str) -> dict[str, str]:
         op = OP_NAME.search(meta)
         src = SOURCE.search(meta)
         where = f"{Path(src.group(1)).name}:{src.group(2)}" if src else ""
-        sources[name] = f"{op.group(1).split('/')[-1] if op else ''} {where}".strip()
+        # The op name's last parts: the transformations and primitive that made the op.
+        sources[name] = f"{'/'.join(op.group(1).split('/')[-3:]) if op else ''} {where}".strip()
     return sources
 
 
