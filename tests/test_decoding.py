@@ -85,3 +85,28 @@ def test_more_prompts_than_slots_are_served_by_refilling_slots(model):
     together = [r.token_ids for r in generate(model, prompts, config)]
     two_slots = [r.token_ids for r in generate(model, prompts, config.replace(max_batch=2))]
     assert two_slots == together
+
+
+def test_prefill_batches_prompts_of_similar_length_and_keeps_each_result(model):
+    """Requests admitted together are prefilled shortest first, each batch padded to the
+    ``B * 2^k`` bucket over its own longest prompt; results still belong to their requests."""
+    from focus_jax.engine import Engine
+
+    config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
+                              bucket_ladder=LADDER, max_new_tokens=4)
+    engine = Engine(model, config, slots=4, cache_len=64, prefill_batch=2)
+    calls = []
+    run_prefill = engine._run_prefill
+
+    def record(tokens, lengths, slots, max_new):
+        calls.append((tokens.shape[1], sorted(lengths[slots < engine.slots].tolist())))
+        run_prefill(tokens, lengths, slots, max_new)
+
+    engine._run_prefill = record
+    prompts = [random_prompts(1, 128, n, n, seed=n)[0] for n in (30, 3, 29, 2)]
+    ids = [engine.submit(p) for p in prompts]
+    results = engine.run()
+    assert calls == [(4, [2, 3]), (32, [29, 30])]
+    via_generate = [r.token_ids for r in generate(model, prompts, config)]
+    assert [results[i].token_ids for i in ids] == via_generate
+    assert [results[i].prompt_tokens for i in ids] == [30, 3, 29, 2]
