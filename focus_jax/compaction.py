@@ -42,17 +42,28 @@ def bucket_index(count: Int[Array, ""], ladder: Sequence[int]) -> Int[Array, ""]
 class Compaction:
     """The kept rows of a flat token axis, and the bucket of ``ladder`` they run in.
 
-    :meth:`run` calls ``work(rows, valid, *operands)`` with the first ``size`` compacted row
-    indices of the chosen bucket and their validity mask (padding rows are False); every bucket's
-    ``work`` must return the same shapes. The same compaction can run several times (once per
-    layer, say) and always picks the same bucket.
+    ``rows`` orders the whole axis kept rows first: arrays "in compact order" are indexed like
+    ``rows``, so a bucket's rows are their first ``size`` entries (a static slice), and
+    ``inverse`` takes them back to the flat order. :meth:`run` calls ``work(rows, valid,
+    *operands)`` with the first ``size`` row indices of the chosen bucket and their validity mask
+    (padding rows are False); every bucket's ``work`` must return the same shapes. The same
+    compaction can run several times (once per layer, say) and always picks the same bucket.
     """
 
     def __init__(self, keep: Bool[Array, "t"], ladder: Sequence[int]):
         self.keep = keep
         self.rows, self.count = compact(keep)
+        self.inverse = jnp.zeros_like(self.rows).at[self.rows].set(
+            jnp.arange(keep.shape[0], dtype=self.rows.dtype))
+        """Where each row of the flat axis sits in compact order."""
+        self.kept_in_order = jnp.arange(keep.shape[0]) < self.count
+        """Compact order: True for the kept rows (the first ``count``)."""
         self.ladder = tuple(ladder)
         self.index = bucket_index(self.count, self.ladder)
+
+    def to_flat(self, compact_order: Array) -> Array:
+        """An array in compact order, back in the flat order of the axis."""
+        return compact_order[self.inverse]
 
     def run(self, work: Callable[..., Any], *operands: Any) -> Any:
         def branch(size: int) -> Callable[..., Any]:

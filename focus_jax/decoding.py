@@ -180,13 +180,6 @@ def _rightmost(flags: Bool[Array, "s b"]) -> Int[Array, "s"]:
     return jnp.max(jnp.where(flags, jnp.arange(flags.shape[-1]), -1), axis=-1)
 
 
-def _to_blocks(values: Array, rows: Int[Array, "n"], valid: Bool[Array, "n"],
-               flat: int) -> Array:
-    """Scatter compacted rows back to the flat ``[S*B, ...]`` layout (zeros elsewhere)."""
-    out = jnp.zeros((flat, *values.shape[1:]), values.dtype)
-    return out.at[jnp.where(valid, rows, flat)].set(values, mode="drop")
-
-
 def step(model: Decoder, state: DecodeState,
          settings: DecodeSettings) -> tuple[DecodeState, StepLog]:
     """One denoising (or commit) step for every live slot.
@@ -238,35 +231,43 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
 
     # Each layer runs in two bucketed halves with the cache write between them, outside the
     # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
-    # whole cache per branch. Rows live in the flat [S*B] layout between the halves.
-    def project(rows_of: Compaction, layer, layer_index, x_flat, cache: KVCache):
-        def work(rows, valid, x_flat):
-            q, k, v = layer.qkv(x_flat[rows], position[rows])
-            return tuple(_to_blocks(a, rows, valid, flat) for a in (q, k, v))
+    # whole cache per branch. Between the halves, rows stay in their compaction's compact order
+    # (a bucket's rows are a static slice), padded to the fixed length S*B.
+    def padded(a: Array) -> Array:
+        return jnp.pad(a, [(0, flat - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
-        q, k, v = rows_of.run(work, x_flat)
-        target = jnp.where(rows_of.keep, slot_of_row, s)  # rows not kept write nothing
-        return q, k, cache.write(layer_index, target, position, k, v)
+    def project(rows_of: Compaction, layer, layer_index, x, cache: KVCache):
+        def work(rows, valid, x):
+            q, k, v = layer.qkv(x[:rows.shape[0]], position[rows])
+            return padded(q), padded(k), padded(v)
 
-    def attend_and_finish(rows_of: Compaction, layer, layer_index, x_flat, q, cache: KVCache,
+        q, k, v = rows_of.run(work, x)
+        # Rows past the kept ones (and a bucket's padding) write nothing.
+        target = jnp.where(rows_of.kept_in_order, slot_of_row[rows_of.rows], s)
+        return q, k, cache.write(layer_index, target, position[rows_of.rows], k, v)
+
+    def attend_and_finish(rows_of: Compaction, layer, layer_index, x, q, cache: KVCache,
                           kv_len):
-        def work(rows, valid, x_flat, q, cache: KVCache):
-            attn = ragged_attention(q[rows], rows, valid, cache.k, cache.v, layer_index, kv_len,
+        def work(rows, valid, x, q, cache: KVCache):
+            size = rows.shape[0]
+            attn = ragged_attention(q[:size], rows, valid, cache.k, cache.v, layer_index, kv_len,
                                     block_size=b, impl=settings.kernels)
-            x = layer.finish(x_flat[rows], attn)
-            return x_flat.at[jnp.where(valid, rows, flat)].set(x, mode="drop")
+            finished = jnp.where(valid[:, None], layer.finish(x[:size], attn), x[:size])
+            return jax.lax.dynamic_update_slice_in_dim(x, finished, 0, axis=0)
 
-        return rows_of.run(work, x_flat, q, cache)
+        return rows_of.run(work, x, q, cache)
 
     processed_rows = Compaction(processed.reshape(flat), settings.processed_ladder)
     layer0, layer1 = model.layer(0), model.layer(1)
-    x = model.embed_tokens(state.tokens.reshape(flat))
+    x = model.embed_tokens(state.tokens.reshape(flat)[processed_rows.rows])
     q0, k0, cache = project(processed_rows, layer0, 0, x, state.cache)
     x = attend_and_finish(processed_rows, layer0, 0, x, q0, cache, kv_len_processed)
     q1, k1, cache = project(processed_rows, layer1, 1, x, cache)
 
     if settings.mode == "focus":
-        blocks = lambda a: a.reshape(s, b, *a.shape[1:])
+        def blocks(a):
+            return processed_rows.to_flat(a).reshape(s, b, *a.shape[1:])
+
         masked_processed = processed & masked
         def importance(q, k):
             return focus_importance(blocks(q), blocks(k), masked_processed, impl=settings.kernels)
@@ -276,14 +277,17 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
                         state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
         retained = processed & ~masked | focus.select_retained(
             delta, masked_processed, state.progress, avg, settings.alpha)
+        # Retained rows are processed rows: re-order x and layer 1's queries to their compaction.
+        retained_rows = Compaction(retained.reshape(flat), settings.retained_ladder)
+        reorder = processed_rows.inverse[retained_rows.rows]
+        x, q1 = x[reorder], q1[reorder]
     else:
-        retained = processed
+        retained, retained_rows = processed, processed_rows
     rightmost_retained = _rightmost(retained)
     kv_len_retained = state.history + rightmost_retained + 1
     step_key, next_key = jax.random.split(state.rng)
 
     # Retained tokens finish layer 1 (evicted ones stop here), then run layers >= 2.
-    retained_rows = Compaction(retained.reshape(flat), settings.retained_ladder)
     x = attend_and_finish(retained_rows, layer1, 1, x, q1, cache, kv_len_retained)
 
     def later_layer(layer, carry, _):
@@ -295,12 +299,12 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     (x, cache, _), _ = model.scan_layers(later_layer, (x, cache, 2), start=2,
                                          unroll=settings.unroll_layers)
 
-    def head(rows, valid, x_flat):
-        token, confidence = _choose_tokens(model, settings.sampler, x_flat, rows, step_key,
-                                           row_offset)
-        return _to_blocks(token, rows, valid, flat), _to_blocks(confidence, rows, valid, flat)
+    def head(rows, valid, x):
+        token, confidence = _choose_tokens(model, settings.sampler, x[:rows.shape[0]], rows,
+                                           step_key, row_offset)
+        return padded(token), padded(confidence)
 
-    token, confidence = retained_rows.run(head, x)
+    token, confidence = (retained_rows.to_flat(a) for a in retained_rows.run(head, x))
 
     candidates = retained & masked & decoding[:, None]
     chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
@@ -337,19 +341,23 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
 HEAD_CHUNK = 512
 
 
-def _choose_tokens(model: Decoder, sampler: Sampler, x_flat: Array, rows: Int[Array, "n"],
+def _choose_tokens(model: Decoder, sampler: Sampler, x: Array, rows: Int[Array, "n"],
                    key: Array, row_offset: Int[Array, ""] | int) -> tuple[Int[Array, "n"], Array]:
-    """LM head and sampling for ``rows``, ``HEAD_CHUNK`` rows at a time: float32 logits of a
-    large vocabulary for every row at once would take gigabytes (and several temporaries)."""
+    """LM head and sampling for the hidden states ``x`` of flat rows ``rows`` (which name the
+    sampling keys), ``HEAD_CHUNK`` rows at a time: float32 logits of a large vocabulary for
+    every row at once would take gigabytes (and several temporaries)."""
     n = rows.shape[0]
     chunks = -(-n // HEAD_CHUNK)
-    padded = jnp.pad(rows, (0, chunks * HEAD_CHUNK - n)).reshape(chunks, -1)
+    pad = chunks * HEAD_CHUNK - n
+    rows_chunks = jnp.pad(rows, (0, pad)).reshape(chunks, -1)
+    x_chunks = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, HEAD_CHUNK, -1)
 
-    def chunk(rows_chunk):
+    def chunk(rows_and_x):
+        rows_chunk, x_chunk = rows_and_x
         keys = jax.vmap(lambda r: jax.random.fold_in(key, r + row_offset))(rows_chunk)
-        return sampler(model.head(x_flat[rows_chunk]), keys)
+        return sampler(model.head(x_chunk), keys)
 
-    token, confidence = jax.lax.map(chunk, padded)
+    token, confidence = jax.lax.map(chunk, (rows_chunks, x_chunks))
     return token.reshape(-1)[:n], confidence.reshape(-1)[:n]
 
 
