@@ -1,0 +1,45 @@
+"""Static-shape bucketed compaction: order, inverse, bucket choice and the default ladder."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from focus_jax.compaction import Compaction, bucket_ladder
+from focus_jax.config import DEFAULT_LADDER
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_order_puts_kept_rows_first_in_order_and_inverts(seed):
+    rng = np.random.default_rng(seed)
+    keep = rng.random(40) < rng.random()
+    c = Compaction(jnp.asarray(keep), bucket_ladder(40, (0.25, 0.5, 1.0)))
+    rows = np.asarray(c.rows)
+    count = int(keep.sum())
+    assert int(c.count) == count
+    assert rows[:count].tolist() == np.flatnonzero(keep).tolist()
+    assert sorted(rows.tolist()) == list(range(40))  # a permutation of the axis
+    values = rng.normal(size=(40, 3)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(c.to_flat(jnp.asarray(values)[rows])), values)
+    assert np.asarray(c.kept_in_order).tolist() == [i < count for i in range(40)]
+    size = c.ladder[int(c.index)]
+    assert size >= count and all(s < count for s in c.ladder[:int(c.index)])
+
+
+def test_run_hands_each_bucket_its_rows_and_validity():
+    keep = jnp.asarray([True, False, True, False, False, True, False, False])
+    c = Compaction(keep, (2, 4, 8))
+
+    def work(rows, valid, x):
+        return jnp.pad(x[rows] * valid, (0, 8 - rows.shape[0]))
+
+    out = np.asarray(c.run(work, jnp.arange(8.0) + 1))
+    assert out.tolist() == [1, 3, 6, 0, 0, 0, 0, 0]  # bucket 4: three kept rows and one padding
+
+
+def test_default_ladder_is_fine_where_focus_runs():
+    sizes = bucket_ladder(8192, DEFAULT_LADDER)
+    assert sizes[-1] == 8192 and len(sizes) == len(DEFAULT_LADDER) == 16
+    # At most 1/32 of the axis between buckets up to a quarter, 1/16 up to a half, 1/8 above.
+    steps = np.diff((0, *sizes))
+    assert (steps[sizes.index(2048) + 1:sizes.index(4096) + 1] == 512).all()
+    assert (steps[:sizes.index(2048) + 1] == 256).all() and (steps[-4:] == 1024).all()
