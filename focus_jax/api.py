@@ -66,6 +66,8 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
         slots = -(-slots // data) * data
     engine = Engine(model, config, slots=slots, cache_len=cache_len or 0, mesh=mesh)
     rids = [engine.submit(p, on_tokens=_by_index(on_tokens, i)) for i, p in enumerate(ids)]
+    # Compile first (only the programs these prompts need), so the statistics time the run.
+    engine.warmup(prompt_lengths=[len(p) for p in ids])
     results = engine.run(progress=progress)
     ordered = [results[rid] for rid in rids]
     return (ordered, engine.stats) if return_stats else ordered

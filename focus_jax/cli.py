@@ -95,7 +95,9 @@ def format_stats(stats: RunStats, num_layers: int) -> str:
     steps = max(stats.steps, 1)
     lines = [
         f"steps {stats.steps} (rounds {stats.rounds}), generated {stats.generated_tokens} tokens "
-        f"in {stats.wall_seconds:.2f}s ({stats.tokens_per_second:.1f} tok/s)",
+        f"in {stats.wall_seconds:.2f}s ({stats.tokens_per_second:.1f} tok/s): decode rounds "
+        f"{stats.decode_seconds:.2f}s, prefill {stats.prefill_seconds:.2f}s, "
+        f"host {stats.host_seconds:.2f}s",
         f"per step: processed {stats.processed_tokens / steps:.2f} tokens (layers 0-1), "
         f"retained {stats.retained_tokens / steps:.2f} (layers >= 2), "
         f"decoded {stats.decoded_tokens / steps:.2f}",
