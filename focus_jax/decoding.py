@@ -236,9 +236,11 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     def padded(a: Array) -> Array:
         return jnp.pad(a, [(0, flat - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
-    def project(rows_of: Compaction, layer, layer_index, x, cache: KVCache):
+    # Layers are read out of the weight stack inside the bucket branches, next to their
+    # matmuls: a layer sliced outside would enter every branch as a materialised copy.
+    def project(rows_of: Compaction, layer_index, x, cache: KVCache):
         def work(rows, valid, x):
-            q, k, v = layer.qkv(x[:rows.shape[0]], position[rows])
+            q, k, v = model.layer(layer_index).qkv(x[:rows.shape[0]], position[rows])
             return padded(q), padded(k), padded(v)
 
         q, k, v = rows_of.run(work, x)
@@ -246,23 +248,22 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
         target = jnp.where(rows_of.kept_in_order, slot_of_row[rows_of.rows], s)
         return q, k, cache.write(layer_index, target, position[rows_of.rows], k, v)
 
-    def attend_and_finish(rows_of: Compaction, layer, layer_index, x, q, cache: KVCache,
-                          kv_len):
+    def attend_and_finish(rows_of: Compaction, layer_index, x, q, cache: KVCache, kv_len):
         def work(rows, valid, x, q, cache: KVCache):
             size = rows.shape[0]
             attn = ragged_attention(q[:size], rows, valid, cache.k, cache.v, layer_index, kv_len,
                                     block_size=b, impl=settings.kernels)
-            finished = jnp.where(valid[:, None], layer.finish(x[:size], attn), x[:size])
+            finished = jnp.where(valid[:, None], model.layer(layer_index).finish(x[:size], attn),
+                                 x[:size])
             return jax.lax.dynamic_update_slice_in_dim(x, finished, 0, axis=0)
 
         return rows_of.run(work, x, q, cache)
 
     processed_rows = Compaction(processed.reshape(flat), settings.processed_ladder)
-    layer0, layer1 = model.layer(0), model.layer(1)
     x = model.embed_tokens(state.tokens.reshape(flat)[processed_rows.rows])
-    q0, k0, cache = project(processed_rows, layer0, 0, x, state.cache)
-    x = attend_and_finish(processed_rows, layer0, 0, x, q0, cache, kv_len_processed)
-    q1, k1, cache = project(processed_rows, layer1, 1, x, cache)
+    q0, k0, cache = project(processed_rows, 0, x, state.cache)
+    x = attend_and_finish(processed_rows, 0, x, q0, cache, kv_len_processed)
+    q1, k1, cache = project(processed_rows, 1, x, cache)
 
     if settings.mode == "focus":
         def blocks(a):
@@ -288,16 +289,17 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     step_key, next_key = jax.random.split(state.rng)
 
     # Retained tokens finish layer 1 (evicted ones stop here), then run layers >= 2.
-    x = attend_and_finish(retained_rows, layer1, 1, x, q1, cache, kv_len_retained)
+    x = attend_and_finish(retained_rows, 1, x, q1, cache, kv_len_retained)
 
-    def later_layer(layer, carry, _):
-        x, cache, layer_index = carry
-        q, _, cache = project(retained_rows, layer, layer_index, x, cache)
-        x = attend_and_finish(retained_rows, layer, layer_index, x, q, cache, kv_len_retained)
-        return (x, cache, layer_index + 1), None
+    def later_layer(carry, layer_index):
+        x, cache = carry
+        q, _, cache = project(retained_rows, layer_index, x, cache)
+        x = attend_and_finish(retained_rows, layer_index, x, q, cache, kv_len_retained)
+        return (x, cache), None
 
-    (x, cache, _), _ = model.scan_layers(later_layer, (x, cache, 2), start=2,
-                                         unroll=settings.unroll_layers)
+    (x, cache), _ = jax.lax.scan(later_layer, (x, cache),
+                                 jnp.arange(2, model.config.num_layers),
+                                 unroll=settings.unroll_layers)
 
     def head(rows, valid, x):
         token, confidence = _choose_tokens(model, settings.sampler, x[:rows.shape[0]], rows,

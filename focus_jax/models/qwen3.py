@@ -143,30 +143,25 @@ class Decoder(nnx.Module):
     def embed_tokens(self, tokens: Int[Array, "..."]) -> Float[Array, "... e"]:
         return jnp.take(self.embed[...], tokens, axis=0)
 
-    def layer(self, index: int) -> DecoderLayer:
-        """One layer of the stack, as a module of its own."""
+    def layer(self, index: int | jax.Array) -> DecoderLayer:
+        """One layer of the stack (``index`` may be traced), as a module of its own."""
         graphdef, stacked = nnx.split(self.layers)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stacked))
 
     def scan_layers(self, body: Callable[[DecoderLayer, Any, Any], tuple[Any, Any]], carry: Any,
-                    xs: Any = None, start: int = 0, unroll: bool = False) -> tuple[Any, Any]:
-        """``lax.scan`` of ``body(layer, carry, x) -> (carry, y)`` over layers ``start..L-1``.
+                    xs: Any = None, unroll: bool = False) -> tuple[Any, Any]:
+        """``lax.scan`` of ``body(layer, carry, x) -> (carry, y)`` over all layers.
 
         ``unroll`` lays the layers out one after another (XLA's cost analysis counts a loop body
         once; unrolled, every layer is counted), at the price of compile time growing with depth.
         """
         graphdef, stacked = nnx.split(self.layers)
-        # Each iteration reads its layer from the whole stack: slicing the stack to
-        # ``[start:]`` first would copy nearly every weight, every call.
-        indices = jnp.arange(start, jax.tree.leaves(stacked)[0].shape[0])
 
-        def step(carry: Any, index_and_x: tuple[Any, Any]) -> tuple[Any, Any]:
-            index, x = index_and_x
-            layer_state = jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked)
+        def step(carry: Any, layer_and_x: tuple[Any, Any]) -> tuple[Any, Any]:
+            layer_state, x = layer_and_x
             return body(nnx.merge(graphdef, layer_state), carry, x)
 
-        return jax.lax.scan(step, carry, (indices, xs), unroll=unroll)
+        return jax.lax.scan(step, carry, (stacked, xs), unroll=unroll)
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """Final norm and LM head; logits in float32."""
