@@ -52,6 +52,13 @@ def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX) -> list
     return np.clip(lengths.round(), PROMPT_MIN, max_len).astype(int).tolist()
 
 
+def random_prompts(cfg: ModelConfig, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths, token ids uniform over the vocabulary (seeded)."""
+    rng = np.random.default_rng(seed)
+    low = 16  # keep clear of special ids at the start of small vocabularies
+    return [rng.integers(low, min(cfg.vocab_size, 150_000), size=n).tolist() for n in lengths]
+
+
 def random_model(name: str, seed: int = 0, dtype: str = "bfloat16") -> Model:
     """A named geometry (``sdar-1.7b``, ``sdar-8b``) with random weights, built on the device."""
     if name not in NAMED_GEOMETRIES:
@@ -127,9 +134,7 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     cfg = model.config
     block = block_size or cfg.block_size or 32
     lengths = prompt_lengths(requests, seed)
-    rng = np.random.default_rng(seed + 1)
-    low = 16  # keep clear of special ids at the start of small vocabularies
-    prompts = [rng.integers(low, min(cfg.vocab_size, 150_000), size=n).tolist() for n in lengths]
+    prompts = random_prompts(cfg, lengths, seed + 1)
     cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
     results = []
     for mode in modes:

@@ -51,7 +51,6 @@ class Compaction:
     """
 
     def __init__(self, keep: Bool[Array, "t"], ladder: Sequence[int]):
-        self.keep = keep
         self.rows, self.count = compact(keep)
         self.inverse = jnp.zeros_like(self.rows).at[self.rows].set(
             jnp.arange(keep.shape[0], dtype=self.rows.dtype))
@@ -67,6 +66,6 @@ class Compaction:
 
     def run(self, work: Callable[..., Any], *operands: Any) -> Any:
         def branch(size: int) -> Callable[..., Any]:
-            return lambda *ops: work(self.rows[:size], jnp.arange(size) < self.count, *ops)
+            return lambda *ops: work(self.rows[:size], self.kept_in_order[:size], *ops)
 
         return jax.lax.switch(self.index, [branch(size) for size in self.ladder], *operands)

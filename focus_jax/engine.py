@@ -306,7 +306,7 @@ class Engine:
         lengths = np.zeros((n,), np.int32)
         slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
         max_new = np.zeros((n,), np.int32)
-        for row, (request, slot) in enumerate(zip(batch, slots, strict=False)):
+        for row, (request, slot) in enumerate(zip(batch, slots, strict=True)):
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], slot_ids[row], max_new[row] = len(request.prompt), slot, request.max_new_tokens
         return tokens, lengths, slot_ids, max_new

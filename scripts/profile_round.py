@@ -97,8 +97,7 @@ def main() -> None:
     model = focus_jax.load(args.model) if args.model else bench.random_model(args.geometry)
     name = args.model or args.geometry
     lengths = bench.prompt_lengths(args.batch)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(16, min(model.config.vocab_size, 150_000), size=n).tolist() for n in lengths]
+    prompts = bench.random_prompts(model.config, lengths, seed=1)  # as bench.run's (seed 0)
     extra = {"bucket_ladder": tuple(float(f) for f in args.ladder.split(","))} if args.ladder else {}
     out = Path(args.out)
     for mode in args.modes.split(","):
