@@ -69,3 +69,16 @@ class Compaction:
             return lambda *ops: work(self.rows[:size], self.kept_in_order[:size], *ops)
 
         return jax.lax.switch(self.index, [branch(size) for size in self.ladder], *operands)
+
+    def run_in_place(self, work: Callable[..., Any], carry: Any) -> Any:
+        """Like :meth:`run` for ``work(rows, valid, carry) -> carry``, whose carry (a KV cache,
+        say) is updated in place: one while loop per bucket, which runs once for the chosen bucket
+        and not at all for the others. (A switch would give every branch its own output buffers,
+        a copy of the carry.)"""
+        for index, size in enumerate(self.ladder):
+            def once(state, size=size):
+                _, carry = state
+                return jnp.bool_(False), work(self.rows[:size], self.kept_in_order[:size], carry)
+
+            _, carry = jax.lax.while_loop(lambda state: state[0], once, (self.index == index, carry))
+        return carry

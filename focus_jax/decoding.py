@@ -291,22 +291,30 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     # Retained tokens finish layer 1 (evicted ones stop here), then run layers >= 2.
     x = attend_and_finish(retained_rows, 1, x, q1, cache, kv_len_retained)
 
-    def later_layer(carry, layer_index):
-        x, cache = carry
-        q, _, cache = project(retained_rows, layer_index, x, cache)
-        x = attend_and_finish(retained_rows, layer_index, x, q, cache, kv_len_retained)
-        return (x, cache), None
+    # Layers >= 2 and the head run the same rows, so one bucket runs them all (KV write included).
+    def later_layers_and_head(rows, valid, carry):
+        _, _, cache = carry
+        at, target = position[rows], jnp.where(valid, slot_of_row[rows], s)
 
-    (x, cache), _ = jax.lax.scan(later_layer, (x, cache),
-                                 jnp.arange(2, model.config.num_layers),
-                                 unroll=settings.unroll_layers)
+        def layer(carry, layer_index):
+            x, cache = carry
+            layer = model.layer(layer_index)
+            q, k, v = layer.qkv(x, at)
+            cache = cache.write(layer_index, target, at, k, v)
+            attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len_retained,
+                                    block_size=b, impl=settings.kernels)
+            return (jnp.where(valid[:, None], layer.finish(x, attn), x), cache), None
 
-    def head(rows, valid, x):
-        token, confidence = _choose_tokens(model, settings.sampler, x[:rows.shape[0]], rows,
-                                           step_key, row_offset)
-        return padded(token), padded(confidence)
+        (h, cache), _ = jax.lax.scan(layer, (x[:rows.shape[0]], cache),
+                                     jnp.arange(2, model.config.num_layers),
+                                     unroll=settings.unroll_layers)
+        token, confidence = _choose_tokens(model, settings.sampler, h, rows, step_key, row_offset)
+        return padded(token), padded(confidence), cache
 
-    token, confidence = (retained_rows.to_flat(a) for a in retained_rows.run(head, x))
+    token, confidence, cache = retained_rows.run_in_place(
+        later_layers_and_head,
+        (jnp.zeros(flat, jnp.int32), jnp.zeros(flat, jnp.float32), cache))
+    token, confidence = retained_rows.to_flat(token), retained_rows.to_flat(confidence)
 
     candidates = retained & masked & decoding[:, None]
     chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
