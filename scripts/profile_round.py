@@ -126,9 +126,9 @@ def main() -> None:
               f"({1000 * wall / steps:.2f} ms/step), kernels {busy:.0f} ms "
               f"({busy / steps:.2f} ms/step), kernel span {span:.0f} ms")
         rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
-        for name, (ms, count) in rows[:args.top]:
-            print(f"{ms / steps:9.3f} ms/step {100 * ms / busy:5.1f}% {count:7d}x  {name[:48]:48s} "
-                  f"{sources.get(name, '')[:110]}")
+        for op, (ms, count) in rows[:args.top]:
+            print(f"{ms / steps:9.3f} ms/step {100 * ms / busy:5.1f}% {count:7d}x  {op[:48]:48s} "
+                  f"{sources.get(op, '')[:110]}")
         summary = {"mode": mode, "steps": steps, "wall_s": wall, "kernel_ms": busy,
                    "span_ms": span,
                    "ops": [{"op": n, "ms": ms, "count": c, "source": sources.get(n, "")}
