@@ -43,3 +43,19 @@ def test_default_ladder_is_fine_where_focus_runs():
     steps = np.diff((0, *sizes))
     assert (steps[sizes.index(2048) + 1:sizes.index(4096) + 1] == 512).all()
     assert (steps[:sizes.index(2048) + 1] == 256).all() and (steps[-4:] == 1024).all()
+
+
+@pytest.mark.parametrize("kept", [1, 3, 7])
+def test_run_in_place_runs_only_the_chosen_bucket_once(kept):
+    keep = jnp.arange(8) < kept
+    c = Compaction(keep, (2, 4, 8))
+
+    def work(rows, valid, carry):
+        total, runs, sizes = carry
+        # Add the kept rows' values; record which bucket ran (its size) and how often.
+        return total + jnp.sum(jnp.where(valid, rows + 1, 0)), runs + 1, sizes + rows.shape[0]
+
+    total, runs, sizes = c.run_in_place(work, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+    assert int(runs) == 1
+    assert int(sizes) == next(size for size in (2, 4, 8) if size >= kept)
+    assert int(total) == sum(range(1, kept + 1))
