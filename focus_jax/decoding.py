@@ -296,17 +296,19 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
         _, _, cache = carry
         at, target = position[rows], jnp.where(valid, slot_of_row[rows], s)
 
-        def layer(carry, layer_index):
+        # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
+        # dynamic-slice fusion, which could let the GEMMs read each layer's weights in place in
+        # the stack, takes only offsets computed from a loop counter (docs/benchmarks.md).
+        def layer(layer_index, carry):
             x, cache = carry
             layer = model.layer(layer_index)
             q, k, v = layer.qkv(x, at)
             cache = cache.write(layer_index, target, at, k, v)
             attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len_retained,
                                     block_size=b, impl=settings.kernels)
-            return (jnp.where(valid[:, None], layer.finish(x, attn), x), cache), None
+            return jnp.where(valid[:, None], layer.finish(x, attn), x), cache
 
-        (h, cache), _ = jax.lax.scan(layer, (x[:rows.shape[0]], cache),
-                                     jnp.arange(2, model.config.num_layers),
+        h, cache = jax.lax.fori_loop(2, model.config.num_layers, layer, (x[:rows.shape[0]], cache),
                                      unroll=settings.unroll_layers)
         token, confidence = _choose_tokens(model, settings.sampler, h, rows, step_key, row_offset)
         return padded(token), padded(confidence), cache

@@ -144,9 +144,17 @@ class Decoder(nnx.Module):
         return jnp.take(self.embed[...], tokens, axis=0)
 
     def layer(self, index: int | jax.Array) -> DecoderLayer:
-        """One layer of the stack (``index`` may be traced), as a module of its own."""
+        """One layer of the stack (``index`` may be traced, and must then be in range), as a
+        module of its own."""
         graphdef, stacked = nnx.split(self.layers)
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stacked))
+
+        def take(a: jax.Array) -> jax.Array:
+            # No wrap-around of negative indices: the slice's offset is the index itself (a loop
+            # counter stays recognisable as one to XLA).
+            return jax.lax.dynamic_index_in_dim(a, index, keepdims=False,
+                                                allow_negative_indices=False)
+
+        return nnx.merge(graphdef, jax.tree.map(take, stacked))
 
     def scan_layers(self, body: Callable[[DecoderLayer, Any, Any], tuple[Any, Any]], carry: Any,
                     xs: Any = None, unroll: bool = False) -> tuple[Any, Any]:
