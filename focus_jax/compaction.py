@@ -74,11 +74,13 @@ class Compaction:
         """Like :meth:`run` for ``work(rows, valid, carry) -> carry``, whose carry (a KV cache,
         say) is updated in place: one while loop per bucket, which runs once for the chosen bucket
         and not at all for the others. (A switch would give every branch its own output buffers,
-        a copy of the carry.)"""
+        a copy of the carry.) Inside ``shard_map`` the carry's initial values must vary over the
+        same mesh axes as ``work``'s results (make them with ``zeros_like`` of the shard's data)."""
         for index, size in enumerate(self.ladder):
             def once(state, size=size):
-                _, carry = state
-                return jnp.bool_(False), work(self.rows[:size], self.kept_in_order[:size], carry)
+                chosen, carry = state
+                return (jnp.zeros_like(chosen),
+                        work(self.rows[:size], self.kept_in_order[:size], carry))
 
             _, carry = jax.lax.while_loop(lambda state: state[0], once, (self.index == index, carry))
         return carry

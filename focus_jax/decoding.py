@@ -315,7 +315,7 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
 
     token, confidence, cache = retained_rows.run_in_place(
         later_layers_and_head,
-        (jnp.zeros(flat, jnp.int32), jnp.zeros(flat, jnp.float32), cache))
+        (jnp.zeros_like(position), jnp.zeros_like(position, jnp.float32), cache))
     token, confidence = retained_rows.to_flat(token), retained_rows.to_flat(confidence)
 
     candidates = retained & masked & decoding[:, None]
