@@ -152,7 +152,7 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
         steps = max(s.steps, 1)
         flops = layer_flops_per_token(cfg) * (2 * s.processed_tokens
                                               + (cfg.num_layers - 2) * s.retained_tokens)
-        flops += 2 * cfg.hidden_size * cfg.vocab_size * s.retained_tokens
+        flops += 2 * cfg.hidden_size * cfg.vocab_size * s.sampled_tokens
         results.append(BenchResult(
             mode=mode, batch=batch, requests=requests, generated_tokens=s.generated_tokens,
             wall_seconds=s.wall_seconds, steps=s.steps,

@@ -107,6 +107,8 @@ class StepLog:
     """Ran through every layer."""
     decoded: Bool[Array, "s b"]
     """Unmasked by this step."""
+    sampled: Bool[Array, "s b"]
+    """Ran through the LM head (masked and retained, in a slot still decoding)."""
     live: Bool[Array, "s"]
     """The slot took part (a denoising or a commit step)."""
     processed_bucket: Int[Array, ""]
@@ -196,7 +198,7 @@ def step(model: Decoder, state: DecodeState,
     # Specs name the manual axis only: the model axis stays with the partitioner.
     state_spec = sharding.state_specs(state, kv_heads=None)
     data = PartitionSpec("data")
-    log_spec = StepLog(data, data, data, data, PartitionSpec(), PartitionSpec())
+    log_spec = StepLog(data, data, data, data, data, PartitionSpec(), PartitionSpec())
 
     def shard_step(params, state: DecodeState) -> tuple[DecodeState, StepLog]:
         # Rows are numbered globally so that sampling keys match the unsharded step.
@@ -291,34 +293,41 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     # Retained tokens finish layer 1 (evicted ones stop here), then run layers >= 2.
     x = attend_and_finish(retained_rows, 1, x, q1, cache, kv_len_retained)
 
-    # Layers >= 2 and the head run the same rows, so one bucket runs them all (KV write included).
-    def later_layers_and_head(rows, valid, carry):
-        _, _, cache = carry
+    # Layers >= 2 run the same rows, so one bucket runs them all (KV writes included).
+    def later_layers(rows, valid, carry):
+        x, cache = carry
         at, target = position[rows], jnp.where(valid, slot_of_row[rows], s)
 
         # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
         # dynamic-slice fusion, which could let the GEMMs read each layer's weights in place in
         # the stack, takes only offsets computed from a loop counter (docs/benchmarks.md).
         def layer(layer_index, carry):
-            x, cache = carry
+            h, cache = carry
             layer = model.layer(layer_index)
-            q, k, v = layer.qkv(x, at)
+            q, k, v = layer.qkv(h, at)
             cache = cache.write(layer_index, target, at, k, v)
             attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len_retained,
                                     block_size=b, impl=settings.kernels)
-            return jnp.where(valid[:, None], layer.finish(x, attn), x), cache
+            return jnp.where(valid[:, None], layer.finish(h, attn), h), cache
 
         h, cache = jax.lax.fori_loop(2, model.config.num_layers, layer, (x[:rows.shape[0]], cache),
                                      unroll=settings.unroll_layers)
-        token, confidence = _choose_tokens(model, settings.sampler, h, rows, step_key, row_offset)
-        return padded(token), padded(confidence), cache
+        return jax.lax.dynamic_update_slice_in_dim(x, h, 0, axis=0), cache
 
-    token, confidence, cache = retained_rows.run_in_place(
-        later_layers_and_head,
-        (jnp.zeros_like(position), jnp.zeros_like(position, jnp.float32), cache))
-    token, confidence = retained_rows.to_flat(token), retained_rows.to_flat(confidence)
+    x, cache = retained_rows.run_in_place(later_layers, (x, cache))
 
+    # The LM head runs only where a token can be chosen: the masked rows of decoding slots (the
+    # others keep their tokens; unmask reads nothing else).
     candidates = retained & masked & decoding[:, None]
+    candidate_rows = Compaction(candidates.reshape(flat), settings.retained_ladder)
+
+    def head(rows, valid, x):
+        token, confidence = _choose_tokens(model, settings.sampler, x[retained_rows.inverse[rows]],
+                                           rows, step_key, row_offset)
+        return padded(token), padded(confidence)
+
+    token, confidence = (candidate_rows.to_flat(a) for a in candidate_rows.run(head, x))
+
     chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
                     settings.threshold, settings.per_step)
     tokens = jnp.where(chosen, token.reshape(s, b), state.tokens)
@@ -344,7 +353,7 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
         rng=next_key,
         cache=cache,
     )
-    log = StepLog(processed=processed, retained=retained, decoded=chosen,
+    log = StepLog(processed=processed, retained=retained, decoded=chosen, sampled=candidates,
                   live=decoding | committing, processed_bucket=processed_rows.index,
                   retained_bucket=retained_rows.index)
     return state, log
@@ -409,7 +418,7 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
     Returns the state, the per-step logs ``[max_steps, ...]`` and the number of steps run.
     """
     s, b = state.tokens.shape
-    empty = StepLog(*(jnp.zeros((max_steps, s, b), bool) for _ in range(3)),
+    empty = StepLog(*(jnp.zeros((max_steps, s, b), bool) for _ in range(4)),
                     jnp.zeros((max_steps, s), bool), jnp.zeros((max_steps,), jnp.int32),
                     jnp.zeros((max_steps,), jnp.int32))
     live_at_start = state.live

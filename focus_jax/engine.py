@@ -72,6 +72,8 @@ class RunStats:
     retained_tokens: int = 0
     """Token-steps through layers >= 2."""
     decoded_tokens: int = 0
+    sampled_tokens: int = 0
+    """Token-steps through the LM head."""
     processed_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Steps per bucket size (rows) of the processed-token compaction."""
     retained_buckets: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -333,6 +335,7 @@ class Engine:
         self.stats.processed_tokens += int(processed.sum())
         self.stats.retained_tokens += int(retained.sum())
         self.stats.decoded_tokens += int(decoded.sum())
+        self.stats.sampled_tokens += int(logs.sampled[:steps].sum())
         self.stats.processed_buckets.update(
             settings.processed_ladder[i] for i in logs.processed_bucket[:steps])
         self.stats.retained_buckets.update(

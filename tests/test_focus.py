@@ -137,6 +137,11 @@ def test_evicted_slots_stay_masked_and_are_never_decoded(model):
         evicted = np.asarray(log.processed) & (before == MASKED) & ~np.asarray(log.retained)
         assert not (evicted & np.asarray(log.decoded)).any()
         assert (after[evicted & ~history_moved[:, None]] == MASKED).all()
+        # The LM head ran on exactly the retained masks of slots still decoding.
+        decoding = np.asarray(log.live) & (before == MASKED).any(-1)
+        sampled = np.asarray(log.sampled)
+        assert (sampled == (np.asarray(log.retained) & (before == MASKED) & decoding[:, None])).all()
+        assert (np.asarray(log.decoded) <= sampled).all()
         evictions += int(evicted.sum())
     assert evictions > 0  # the batch really evicted
 
