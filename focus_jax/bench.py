@@ -99,6 +99,8 @@ class BenchResult:
     processed_per_step: float
     retained_per_step: float
     decoded_per_step: float
+    sampled_per_step: float
+    """Rows through the LM head per step (the masks a step could decode)."""
     model_flops: float
     compile_seconds: float
     decode_seconds: float
@@ -158,6 +160,7 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
             wall_seconds=s.wall_seconds, steps=s.steps,
             processed_per_step=s.processed_tokens / steps,
             retained_per_step=s.retained_tokens / steps, decoded_per_step=s.decoded_tokens / steps,
+            sampled_per_step=s.sampled_tokens / steps,
             model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
             prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
             compilations=len(compilations)))

@@ -80,6 +80,9 @@ def test_bench_counts_no_compilation_after_warmup_and_splits_the_wall_time(model
         parts = (r.decode_seconds, r.prefill_seconds, r.host_seconds)
         assert all(p > 0 for p in parts) and sum(parts) <= r.wall_seconds, r
         assert r.retained_per_step <= r.processed_per_step
+        # The LM head runs on the masks a step could decode: at least the decoded ones, at most
+        # the retained rows.
+        assert r.decoded_per_step <= r.sampled_per_step <= r.retained_per_step, r
     # The counter does count: a new shape compiles.
     with bench.count_compilations() as events:
         jax.jit(lambda x: x * 3)(jax.numpy.ones(7))
