@@ -231,32 +231,39 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     position = (state.history[:, None] + index).reshape(flat)
     slot_of_row = jnp.arange(flat) // b
 
-    # Each layer runs in two bucketed halves with the cache write between them, outside the
-    # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
-    # whole cache per branch. Between the halves, rows stay in their compaction's compact order
-    # (a bucket's rows are a static slice), padded to the fixed length S*B.
+    # Rows stay in their compaction's compact order (a bucket's rows are a static slice), padded
+    # to the fixed length S*B where a bucket hands them on.
     def padded(a: Array) -> Array:
         return jnp.pad(a, [(0, flat - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
-    # Layers are read out of the weight stack inside the bucket branches, next to their
-    # matmuls: a layer sliced outside would enter every branch as a materialised copy.
+    def cache_target(rows, valid):
+        """The slot each row writes its KV to; padding rows (and rows not kept) write nothing."""
+        return jnp.where(valid, slot_of_row[rows], s)
+
+    def attend_and_finish_rows(layer_index, rows, valid, x, q, cache: KVCache, kv_len):
+        """The second half of a layer for a bucket's rows (padding rows pass through)."""
+        attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
+                                block_size=b, impl=settings.kernels)
+        return jnp.where(valid[:, None], model.layer(layer_index).finish(x, attn), x)
+
+    # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
+    # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
+    # whole cache per branch. Layers are read out of the weight stack inside the branches,
+    # next to their matmuls: a layer sliced outside would enter every branch as a copy.
     def project(rows_of: Compaction, layer_index, x, cache: KVCache):
         def work(rows, valid, x):
             q, k, v = model.layer(layer_index).qkv(x[:rows.shape[0]], position[rows])
             return padded(q), padded(k), padded(v)
 
         q, k, v = rows_of.run(work, x)
-        # Rows past the kept ones (and a bucket's padding) write nothing.
-        target = jnp.where(rows_of.kept_in_order, slot_of_row[rows_of.rows], s)
+        target = cache_target(rows_of.rows, rows_of.kept_in_order)
         return q, k, cache.write(layer_index, target, position[rows_of.rows], k, v)
 
     def attend_and_finish(rows_of: Compaction, layer_index, x, q, cache: KVCache, kv_len):
         def work(rows, valid, x, q, cache: KVCache):
             size = rows.shape[0]
-            attn = ragged_attention(q[:size], rows, valid, cache.k, cache.v, layer_index, kv_len,
-                                    block_size=b, impl=settings.kernels)
-            finished = jnp.where(valid[:, None], model.layer(layer_index).finish(x[:size], attn),
-                                 x[:size])
+            finished = attend_and_finish_rows(layer_index, rows, valid, x[:size], q[:size], cache,
+                                              kv_len)
             return jax.lax.dynamic_update_slice_in_dim(x, finished, 0, axis=0)
 
         return rows_of.run(work, x, q, cache)
@@ -296,19 +303,17 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     # Layers >= 2 run the same rows, so one bucket runs them all (KV writes included).
     def later_layers(rows, valid, carry):
         x, cache = carry
-        at, target = position[rows], jnp.where(valid, slot_of_row[rows], s)
+        row_position, target = position[rows], cache_target(rows, valid)
 
         # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
         # dynamic-slice fusion, which could let the GEMMs read each layer's weights in place in
         # the stack, takes only offsets computed from a loop counter (docs/benchmarks.md).
         def layer(layer_index, carry):
             h, cache = carry
-            layer = model.layer(layer_index)
-            q, k, v = layer.qkv(h, at)
-            cache = cache.write(layer_index, target, at, k, v)
-            attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len_retained,
-                                    block_size=b, impl=settings.kernels)
-            return jnp.where(valid[:, None], layer.finish(h, attn), h), cache
+            q, k, v = model.layer(layer_index).qkv(h, row_position)
+            cache = cache.write(layer_index, target, row_position, k, v)
+            return attend_and_finish_rows(layer_index, rows, valid, h, q, cache,
+                                          kv_len_retained), cache
 
         h, cache = jax.lax.fori_loop(2, model.config.num_layers, layer, (x[:rows.shape[0]], cache),
                                      unroll=settings.unroll_layers)
