@@ -138,30 +138,36 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     lengths = prompt_lengths(requests, seed)
     prompts = random_prompts(cfg, lengths, seed + 1)
     cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
-    results = []
-    for mode in modes:
-        config = GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=(), **generation)
-        engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh)
-        start = time.perf_counter()
-        engine.warmup(prompt_lengths=lengths)
-        compile_seconds = time.perf_counter() - start
-        for prompt in prompts:
-            engine.submit(prompt)
-        with count_compilations() as compilations:
-            engine.run(progress=progress)
-        s = engine.stats
-        steps = max(s.steps, 1)
-        flops = layer_flops_per_token(cfg) * (2 * s.processed_tokens
-                                              + (cfg.num_layers - 2) * s.retained_tokens)
-        flops += 2 * cfg.hidden_size * cfg.vocab_size * s.sampled_tokens
-        results.append(BenchResult(
-            mode=mode, batch=batch, requests=requests, generated_tokens=s.generated_tokens,
-            wall_seconds=s.wall_seconds, steps=s.steps,
-            processed_per_step=s.processed_tokens / steps,
-            retained_per_step=s.retained_tokens / steps, decoded_per_step=s.decoded_tokens / steps,
-            sampled_per_step=s.sampled_tokens / steps,
-            model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
-            prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
-            compilations=len(compilations)))
-    return results
+    return [_run_mode(model, mode, batch, prompts, cache_len, progress, mesh,
+                      GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
+                                       stop_token_ids=(), **generation))
+            for mode in modes]
+
+
+def _run_mode(model: Model, mode: str, batch: int, prompts: list[list[int]], cache_len: int,
+              progress: bool, mesh: Mesh | None, config: GenerationConfig) -> BenchResult:
+    """One mode's run. Its engine (and KV cache) is gone when this returns, before the next
+    mode's engine allocates its own: two caches at once would not fit at large batch."""
+    cfg = model.config
+    engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh)
+    start = time.perf_counter()
+    engine.warmup(prompt_lengths=[len(p) for p in prompts])
+    compile_seconds = time.perf_counter() - start
+    for prompt in prompts:
+        engine.submit(prompt)
+    with count_compilations() as compilations:
+        engine.run(progress=progress)
+    s = engine.stats
+    steps = max(s.steps, 1)
+    flops = layer_flops_per_token(cfg) * (2 * s.processed_tokens
+                                          + (cfg.num_layers - 2) * s.retained_tokens)
+    flops += 2 * cfg.hidden_size * cfg.vocab_size * s.sampled_tokens
+    return BenchResult(
+        mode=mode, batch=batch, requests=len(prompts), generated_tokens=s.generated_tokens,
+        wall_seconds=s.wall_seconds, steps=s.steps,
+        processed_per_step=s.processed_tokens / steps,
+        retained_per_step=s.retained_tokens / steps, decoded_per_step=s.decoded_tokens / steps,
+        sampled_per_step=s.sampled_tokens / steps,
+        model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
+        prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
+        compilations=len(compilations))

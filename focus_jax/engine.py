@@ -194,10 +194,20 @@ class Engine:
         self._slot_request: list[_Request | None] = [None] * slots
         self._results: dict[int, Result] = {}
         self._next_id = 0
-        self._prefill = functools.partial(_prefill, model.graphdef, block,
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        prefill, decode_round = programs(platform)
+        self._prefill = functools.partial(prefill, model.graphdef, block,
                                           self.settings.mask_token_id)
-        self._round = functools.partial(_round, model.graphdef, self.settings,
+        self._round = functools.partial(decode_round, model.graphdef, self.settings,
                                         config.steps_per_round)
+        self._round_program = decode_round
+
+    def lower_round(self) -> jax.stages.Lowered:
+        """The decode round, lowered for this engine's model, settings and state (to inspect
+        its compiled program: memory, HLO, cost)."""
+        return self._round_program.lower(self.model.graphdef, self.settings,
+                                         self.config.steps_per_round, self.model.params,
+                                         self.state, np.asarray(False))
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need (the decode round, with all its bucket branches,
@@ -382,17 +392,37 @@ class Engine:
         self._slot_request[slot] = None
 
 
-# Compiled programs are cached by (graphdef, settings, shapes), so engines with the same settings
-# share them; the decode state is donated (updated in place).
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+# XLA options for the serving programs on GPUs. Every layer's weights are a slice of the stacked
+# weights; by default XLA copies each slice out (a memcpy of the layer's weights, every layer of
+# every step: 7.5 ms of a 72 ms sdar-8b batch-256 step). Dynamic-slice fusion lets a cuBLAS GEMM
+# read its slice in place, but XLA's Triton GEMM fusions take no part in it, so those are off
+# (docs/benchmarks.md, "Weight reads").
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True,
+                        "xla_gpu_enable_triton_gemm": False}
+
+
 def _prefill(graphdef: nnx.GraphDef, block_size: int, mask_token_id: int, params: nnx.State,
              state: decoding.DecodeState, tokens, length, slot, max_new) -> decoding.DecodeState:
     return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot, max_new,
                             block_size, mask_token_id)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def _round(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, max_steps: int,
            params: nnx.State, state: decoding.DecodeState, stop_on_finish):
     return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,
                                  stop_on_finish)
+
+
+@functools.cache
+def programs(platform: str) -> tuple[Callable, Callable]:
+    """The jitted prefill and decode round for devices of ``platform`` ("gpu", "cpu", "tpu").
+
+    Arguments: ``(graphdef, block_size, mask_token_id, params, state, tokens, length, slot,
+    max_new)`` and ``(graphdef, settings, max_steps, params, state, stop_on_finish)``. Compiled
+    programs are cached by (graphdef, settings, shapes), so engines with the same settings share
+    them; the decode state is donated (updated in place).
+    """
+    options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
+    jit = functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,),
+                            compiler_options=options)
+    return jit(_prefill), jit(_round)

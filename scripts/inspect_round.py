@@ -17,7 +17,7 @@ import numpy as np
 
 from focus_jax import bench
 from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, _round
+from focus_jax.engine import Engine
 
 IN_PLACE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
             "dynamic-update-slice", "scatter", "custom-call", "opt-barrier"}
@@ -38,8 +38,7 @@ def main() -> None:
     model = bench.random_model(args.geometry)
     config = GenerationConfig(mode=args.mode, block_size=32, max_new_tokens=32, stop_token_ids=())
     engine = Engine(model, config, slots=args.slots, cache_len=args.cache_len)
-    compiled = _round.lower(model.graphdef, engine.settings, config.steps_per_round, model.params,
-                            engine.state, np.asarray(False)).compile()
+    compiled = engine.lower_round().compile()
     print(compiled.memory_analysis())
     cache_bytes = engine.state.cache.k.nbytes
     print(f"one KV-cache array: {cache_bytes / 2**30:.2f} GiB {engine.state.cache.k.shape}")

@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from jax._src.profiler import ProfileData
 
 import focus_jax
 from focus_jax import bench
 from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, _round
+from focus_jax.engine import Engine
 
 METADATA = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -118,8 +117,7 @@ def main() -> None:
         wall = time.perf_counter() - start
         steps = engine.stats.steps - steps_before
         totals, span = device_time_per_op(trace_dir)
-        compiled = _round.lower(model.graphdef, engine.settings, config.steps_per_round,
-                                model.params, engine.state, np.asarray(False)).compile()
+        compiled = engine.lower_round().compile()
         sources = op_sources(compiled.as_text())
         busy = sum(t for t, _ in totals.values())
         print(f"\n== {name} batch {args.batch} {mode}: {steps} steps, wall {wall:.2f} s "

@@ -89,20 +89,36 @@ def test_bench_counts_no_compilation_after_warmup_and_splits_the_wall_time(model
     assert len(events) >= 1
 
 
+def test_bench_frees_each_mode_engine_before_the_next(model, monkeypatch):
+    """Two engines' KV caches at once would not fit at large batch (sdar-8b batch 256 with 1024
+    new tokens: 72 GiB each): a mode's engine is gone before the next one is made."""
+    import weakref
+
+    from focus_jax import bench
+
+    made = []
+
+    def engine(*args, **kwargs):
+        assert all(ref() is None for ref in made), "the previous mode's engine is still alive"
+        made.append(weakref.ref(result := Engine(*args, **kwargs)))
+        return result
+
+    monkeypatch.setattr(bench, "Engine", engine)
+    results = bench.run(model, ["baseline", "delayed", "focus"], batch=2, requests=2,
+                        max_new_tokens=4, block_size=4)
+    assert [r.mode for r in results] == ["baseline", "delayed", "focus"] and len(made) == 3
+
+
 def test_decode_round_temporaries_do_not_grow_with_depth():
     """The round reads each layer's weights from the stack in place: a copy of the stacked
     weights (as slicing them to ``[2:]`` once made) would grow its temporaries with depth."""
-    import numpy as np
-
-    from focus_jax.engine import _round
 
     def round_temporaries(num_layers: int) -> tuple[int, int]:
         model = tiny_model(seed=0, scale=4.0, num_layers=num_layers)
         config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8,
                                   stop_token_ids=())
         engine = Engine(model, config, slots=4, cache_len=64)
-        compiled = _round.lower(model.graphdef, engine.settings, config.steps_per_round,
-                                model.params, engine.state, np.asarray(False)).compile()
+        compiled = engine.lower_round().compile()
         params = sum(x.nbytes for x in jax.tree.leaves(model.params))
         return compiled.memory_analysis().temp_size_in_bytes, params
 
@@ -110,3 +126,34 @@ def test_decode_round_temporaries_do_not_grow_with_depth():
     deep, deep_params = round_temporaries(8)
     four_layers = deep_params - shallow_params
     assert deep - shallow < four_layers / 4, (shallow, deep, four_layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's GPU dynamic-slice fusion")
+@pytest.mark.parametrize("mode", ["baseline", "focus"])
+def test_gpu_layer_loop_reads_weights_in_place(mode):
+    """On GPUs (engine.GPU_COMPILER_OPTIONS) the layer loop of layers >= 2 copies no layer's
+    weights out of the stack: each slice at the loop's layer index (a dynamic slice) lives in a
+    dynamic-slice fusion, the operand of the GEMM that reads it in place, or in the
+    concatenation XLA's dot merger makes of projections that share their input. (Layers 0-1,
+    at constant indices inside the bucket switches, are not covered: their slices are copied.)"""
+    model = tiny_model(seed=0, num_layers=4, hidden_size=256, intermediate_size=512,
+                       num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    config = GenerationConfig(mode=mode, block_size=8, max_new_tokens=8, stop_token_ids=())
+    engine = Engine(model, config, slots=8, cache_len=128)
+    text = engine.lower_round().compile().as_text()
+    layer_matrices = {f"bf16[1,{','.join(map(str, x.shape[1:]))}]"
+                      for x in jax.tree.leaves(model.params)
+                      if x.ndim >= 3 and x.shape[0] == model.config.num_layers}
+    computation, copied, in_place = "", [], 0
+    for line in text.splitlines():
+        if line and not line[0].isspace() and "{" in line:
+            computation = line.split()[0]
+        result = line.split("=", 1)[1].split()[0].split("{")[0] if " = " in line else ""
+        if " dynamic-slice(" in line and result in layer_matrices:
+            if computation.startswith("%dynamic-slice-fusion"):
+                in_place += 1
+            elif "concatenate" not in computation:
+                copied.append((computation, line.strip()[:160]))
+    assert in_place > 0
+    assert not copied, copied

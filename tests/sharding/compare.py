@@ -16,10 +16,7 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import numpy as np  # noqa: E402
-
 from focus_jax import Engine, GenerationConfig, generate  # noqa: E402
-from focus_jax.engine import _round  # noqa: E402
 from focus_jax.sharding import make_mesh  # noqa: E402
 from focus_jax.testing import random_prompts, tiny_model  # noqa: E402
 
@@ -39,8 +36,7 @@ def data_parallel_collectives() -> dict[str, int]:
     model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
     config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8, stop_token_ids=())
     engine = Engine(model, config, slots=8, cache_len=32, mesh=make_mesh(8, 1))
-    text = _round.lower(engine.model.graphdef, engine.settings, config.steps_per_round,
-                        engine.model.params, engine.state, np.asarray(False)).compile().as_text()
+    text = engine.lower_round().compile().as_text()
     ops = re.findall(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
                      r"(?:-start)?\(", text)
     return dict(collections.Counter(ops))
