@@ -181,8 +181,11 @@ class Engine:
             kernels=config.kernels or ("xla" if mesh is not None and mesh.size > 1 else None),
             mesh=mesh,
         )
-        self.state = decoding.init_state(cfg, slots, self.cache_len, block,
-                                         self.settings.mask_token_id, config.seed)
+        make_state = functools.partial(decoding.init_state, cfg, slots, self.cache_len, block,
+                                       self.settings.mask_token_id, config.seed)
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        check_state_fits(jax.eval_shape(make_state), devices, slots, self.cache_len)
+        self.state = make_state()
         if mesh is not None:
             # Slots (and the cache) over "data", heads and MLP over "model": each data shard
             # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
@@ -390,6 +393,25 @@ class Engine:
         )
         self.stats.generated_tokens += len(ids)
         self._slot_request[slot] = None
+
+
+def check_state_fits(state: decoding.DecodeState, devices: Sequence[jax.Device], slots: int,
+                     positions: int) -> None:
+    """Raise ``ConfigError`` if the decode state (``state``: shapes, e.g. from ``eval_shape``;
+    nearly all of it the KV cache) cannot fit in the devices' free memory, spread evenly over
+    them. Devices that do not report their memory (CPUs) are not checked."""
+    stats = [d.memory_stats() for d in devices]
+    if any(not s or "bytes_limit" not in s for s in stats):
+        return
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / len(devices)
+    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    if needed > free:
+        gib = 2**30
+        raise ConfigError(
+            f"the decode state ({slots} slots x {positions} cache positions, nearly all of it the "
+            f"KV cache) needs {needed / gib:.1f} GiB per device, but {free / gib:.1f} GiB are "
+            f"free: use fewer slots (batch size) or a shorter cache (shorter prompts or fewer "
+            f"max_new_tokens)")
 
 
 # XLA options for the serving programs on GPUs. Every layer's weights are a slice of the stacked

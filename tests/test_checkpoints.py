@@ -107,6 +107,38 @@ def test_block_size_the_model_was_not_trained_for_is_a_clear_error(model):
         focus_jax.generate(trained, [5, 6, 7], GenerationConfig(block_size=4))
 
 
+class _Device:
+    """A device reporting its memory as GPUs and TPUs do (CPUs report none)."""
+
+    platform = "gpu"
+
+    def __init__(self, limit: int | None, in_use: int = 0):
+        self.limit, self.in_use = limit, in_use
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit,
+                                                "bytes_in_use": self.in_use}
+
+
+def test_a_decode_state_that_does_not_fit_the_device_is_a_clear_error(model, monkeypatch):
+    import jax
+
+    from focus_jax.decoding import init_state
+    from focus_jax.engine import Engine, check_state_fits
+
+    shapes = jax.eval_shape(lambda: init_state(model.config, 8, 256, 4, 1))
+    size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    check_state_fits(shapes, [_Device(size + 1000, in_use=1000)], 8, 256)
+    check_state_fits(shapes, [_Device(size // 2 + 8)] * 2, 8, 256)  # half on each of two
+    check_state_fits(shapes, [_Device(None)], 8, 256)  # no memory report: not checked
+    with pytest.raises(ConfigError, match=r"8 slots x 256 cache positions.*fewer slots"):
+        check_state_fits(shapes, [_Device(size + 1000, in_use=1001)], 8, 256)
+    # The engine checks before it allocates.
+    monkeypatch.setattr(jax, "devices", lambda *args: [_Device(size // 4)])
+    with pytest.raises(ConfigError, match="needs"):
+        Engine(model, GenerationConfig(block_size=4), slots=8, cache_len=256)
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("mode", "fast", "mode 'fast'"), ("threshold", 1.5, "threshold"), ("block_size", 7, "block_size 7"),
     ("top_p", 0.0, "top_p"), ("max_new_tokens", 0, "max_new_tokens"),
