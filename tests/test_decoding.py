@@ -87,9 +87,22 @@ def test_more_prompts_than_slots_are_served_by_refilling_slots(model):
     assert two_slots == together
 
 
+@pytest.mark.parametrize(("block", "positions"), [(4, 64), (32, 2048), (8, 40)])
+def test_prompt_buckets_pad_by_at_most_half_beyond_two_blocks(block, positions):
+    from focus_jax.engine import prompt_buckets
+
+    buckets = prompt_buckets(block, positions)
+    assert list(buckets) == sorted(set(buckets)) and buckets[-1] == positions
+    assert all(b % block == 0 for b in buckets)
+    for n in range(1, positions + 1):
+        padded = next(b for b in buckets if b >= n)
+        assert padded < 1.5 * n if n > 2 * block else padded <= 2 * block, (n, padded)
+
+
 def test_prefill_batches_prompts_of_similar_length_and_keeps_each_result(model):
     """Requests admitted together are prefilled shortest first, each batch padded to the
-    ``B * 2^k`` bucket over its own longest prompt; results still belong to their requests."""
+    bucket (``engine.prompt_buckets``) over its own longest prompt; results still belong to their
+    requests."""
     from focus_jax.engine import Engine
 
     config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
