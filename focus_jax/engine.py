@@ -187,7 +187,7 @@ class Engine:
         )
         make_state = functools.partial(decoding.init_state, cfg, slots, self.cache_len, block,
                                        self.settings.mask_token_id, config.seed)
-        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         check_state_fits(jax.eval_shape(make_state), devices, slots, self.cache_len)
         self.state = make_state()
         if mesh is not None:
@@ -404,8 +404,9 @@ def check_state_fits(state: decoding.DecodeState, devices: Sequence[jax.Device],
     """Raise ``ConfigError`` if the decode state (``state``: shapes, e.g. from ``eval_shape``;
     nearly all of it the KV cache) cannot fit in the devices' free memory, spread evenly over
     them. Devices that do not report their memory (CPUs) are not checked."""
-    stats = [d.memory_stats() for d in devices]
-    if any(not s or "bytes_limit" not in s for s in stats):
+    # Only this process's devices can report (the others are checked by their own processes).
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return
     needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / len(devices)
     free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)

@@ -110,7 +110,7 @@ def test_block_size_the_model_was_not_trained_for_is_a_clear_error(model):
 class _Device:
     """A device reporting its memory as GPUs and TPUs do (CPUs report none)."""
 
-    platform = "gpu"
+    platform, process_index = "gpu", 0
 
     def __init__(self, limit: int | None, in_use: int = 0):
         self.limit, self.in_use = limit, in_use
@@ -131,10 +131,13 @@ def test_a_decode_state_that_does_not_fit_the_device_is_a_clear_error(model, mon
     check_state_fits(shapes, [_Device(size + 1000, in_use=1000)], 8, 256)
     check_state_fits(shapes, [_Device(size // 2 + 8)] * 2, 8, 256)  # half on each of two
     check_state_fits(shapes, [_Device(None)], 8, 256)  # no memory report: not checked
+    other_process = _Device(1)
+    other_process.process_index = 1
+    check_state_fits(shapes, [_Device(size), other_process], 8, 256)  # reports for its own only
     with pytest.raises(ConfigError, match=r"8 slots x 256 cache positions.*fewer slots"):
         check_state_fits(shapes, [_Device(size + 1000, in_use=1001)], 8, 256)
     # The engine checks before it allocates.
-    monkeypatch.setattr(jax, "devices", lambda *args: [_Device(size // 4)])
+    monkeypatch.setattr(jax, "local_devices", lambda *args: [_Device(size // 4)])
     with pytest.raises(ConfigError, match="needs"):
         Engine(model, GenerationConfig(block_size=4), slots=8, cache_len=256)
 
