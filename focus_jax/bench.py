@@ -138,14 +138,15 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     lengths = prompt_lengths(requests, seed)
     prompts = random_prompts(cfg, lengths, seed + 1)
     cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
-    return [_run_mode(model, mode, batch, prompts, cache_len, progress, mesh,
-                      GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
-                                       stop_token_ids=(), **generation))
+    return [_run_mode(model, GenerationConfig(mode=mode, block_size=block,
+                                              max_new_tokens=max_new_tokens, stop_token_ids=(),
+                                              **generation),
+                      batch, prompts, cache_len, progress, mesh)
             for mode in modes]
 
 
-def _run_mode(model: Model, mode: str, batch: int, prompts: list[list[int]], cache_len: int,
-              progress: bool, mesh: Mesh | None, config: GenerationConfig) -> BenchResult:
+def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[list[int]],
+              cache_len: int, progress: bool, mesh: Mesh | None) -> BenchResult:
     """One mode's run. Its engine (and KV cache) is gone when this returns, before the next
     mode's engine allocates its own: two caches at once would not fit at large batch."""
     cfg = model.config
@@ -163,7 +164,7 @@ def _run_mode(model: Model, mode: str, batch: int, prompts: list[list[int]], cac
                                           + (cfg.num_layers - 2) * s.retained_tokens)
     flops += 2 * cfg.hidden_size * cfg.vocab_size * s.sampled_tokens
     return BenchResult(
-        mode=mode, batch=batch, requests=len(prompts), generated_tokens=s.generated_tokens,
+        mode=config.mode, batch=batch, requests=len(prompts), generated_tokens=s.generated_tokens,
         wall_seconds=s.wall_seconds, steps=s.steps,
         processed_per_step=s.processed_tokens / steps,
         retained_per_step=s.retained_tokens / steps, decoded_per_step=s.decoded_tokens / steps,

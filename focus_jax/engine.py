@@ -201,20 +201,17 @@ class Engine:
         self._slot_request: list[_Request | None] = [None] * slots
         self._results: dict[int, Result] = {}
         self._next_id = 0
-        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        prefill, decode_round = programs(platform)
+        prefill, decode_round = programs(devices[0].platform)
         self._prefill = functools.partial(prefill, model.graphdef, block,
                                           self.settings.mask_token_id)
         self._round = functools.partial(decode_round, model.graphdef, self.settings,
                                         config.steps_per_round)
-        self._round_program = decode_round
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this engine's model, settings and state (to inspect
         its compiled program: memory, HLO, cost)."""
-        return self._round_program.lower(self.model.graphdef, self.settings,
-                                         self.config.steps_per_round, self.model.params,
-                                         self.state, np.asarray(False))
+        return self._round.func.lower(*self._round.args, self.model.params, self.state,
+                                      np.asarray(False))
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need (the decode round, with all its bucket branches,
