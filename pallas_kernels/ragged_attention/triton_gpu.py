@@ -30,9 +30,9 @@ def _kernel(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer
             SLOTS: tl.constexpr, POSITIONS: tl.constexpr, KV_HEADS: tl.constexpr,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    slot = tl.program_id(0)
+    tile = tl.program_id(0)  # fastest: a slot's tiles run side by side and share its cache in L2
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    slot = tl.program_id(2)
     count = tl.load(row_count_ptr + slot)
     first = tl.load(first_row_ptr + slot)
     layer = tl.load(layer_ptr)
@@ -84,8 +84,8 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      k_cache: Float[Array, "layers s m kvh d"],
                      v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
                      kv_len: Int[Array, "s"], *, block_size: int,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2
-                     ) -> Float[Array, "n h d"]:
+                     block_m: int = TILE_M, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 2) -> Float[Array, "n h d"]:
     """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`."""
     import jax_triton  # GPU only: imported when the kernel is called
 
@@ -98,14 +98,14 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                          f"queries' {q.dtype}")
     first_row, row_count = slot_runs(rows, valid, slots, block_size)
     vectors = block_size * group
-    block_m = min(TILE_M, max(16, triton.next_power_of_2(vectors)))
+    block_m = min(block_m, max(16, triton.next_power_of_2(vectors)))
     precision = "ieee" if q.dtype == jnp.float32 else "tf32"
     return jax_triton.triton_call(
         q, k_cache, v_cache, first_row.astype(jnp.int32),
         row_count.astype(jnp.int32), jnp.asarray(kv_len, jnp.int32),
         jnp.asarray(layer, jnp.int32).reshape(1),
         kernel=_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(slots, kv_heads, triton.cdiv(vectors, block_m)), zeroed_outputs=(0,),
+        grid=(triton.cdiv(vectors, block_m), kv_heads, slots), zeroed_outputs=(0,),
         num_warps=num_warps, num_stages=num_stages,
         SLOTS=slots, POSITIONS=positions, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n, SCALE=d ** -0.5, PRECISION=precision)
