@@ -420,9 +420,12 @@ def check_state_fits(state: decoding.DecodeState, devices: Sequence[jax.Device],
 # weights; by default XLA copies each slice out (a memcpy of the layer's weights, every layer of
 # every step: 7.5 ms of a 72 ms sdar-8b batch-256 step). Dynamic-slice fusion lets a cuBLAS GEMM
 # read its slice in place, but XLA's Triton GEMM fusions take no part in it, so those are off
-# (docs/benchmarks.md, "Weight reads").
+# (docs/benchmarks.md, "Weight reads"). XLA's dot merger would join the q, k and v projections
+# into one GEMM on a weight concatenated afresh every layer of every step; three GEMMs reading
+# in place are faster (-0.8 ms per step there).
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True,
-                        "xla_gpu_enable_triton_gemm": False}
+                        "xla_gpu_enable_triton_gemm": False,
+                        "xla_disable_hlo_passes": "dot-merger"}
 
 
 def _prefill(graphdef: nnx.GraphDef, block_size: int, mask_token_id: int, params: nnx.State,
