@@ -2,9 +2,9 @@
 
 The compacted rows are slot-major (compaction is stable over ``slot * B + position``), so a
 slot's rows are one contiguous run ``[first_row[s], first_row[s] + row_count[s])``. The grid is
-``(slot, kv head, query tile)``: a program stacks the rows of its slot times the query heads of
+``(query tile, kv head, slot)``: a program stacks the rows of its slot times the query heads of
 its KV head (``B * group`` query vectors, in tiles of at most ``block_m``) and walks that slot's
-cache of the current layer in blocks of ``BLOCK_N`` positions with an online softmax (float32
+cache of the current layer in blocks of ``block_n`` positions with an online softmax (float32
 statistics and accumulator, tensor-core dots in the input dtype). Programs whose tile holds no
 row stop at once; no program reads cache at or past ``kv_len``. Output rows are written in place
 at their compacted index; padding rows are zero.
