@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from benchmark_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, median_seconds  # scripts/
 
 from pallas_kernels.ragged_attention.reference import ragged_attention as reference
 from pallas_kernels.ragged_attention.triton_gpu import ragged_attention
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 CALLS = 10
 
 
@@ -53,13 +51,7 @@ def timed(config, q, rows, valid, k_cache, v_cache, kv_len, runs):
         return jax.lax.fori_loop(0, CALLS, lambda _, x: attend(x, *rest), q)
 
     args = (q, rows, valid, k_cache, v_cache, kv_len)
-    jax.block_until_ready(loop(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(loop(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / CALLS, jax.jit(attend)(*args)
+    return median_seconds(loop, *args, runs=runs) / CALLS, jax.jit(attend)(*args)
 
 
 def main() -> None:
