@@ -1,7 +1,8 @@
 """A deterministic suite of small tasks with exact-match answers, for training and evaluation.
 
-Tasks of graded difficulty: copying, reversal, sorting, key-value recall, multi-digit addition,
-templated word problems (the default suite) and prefix sums (an extra). Every example is a
+Tasks of graded difficulty: copying, reversal and sorting of lists of numbers, key-value recall,
+multi-digit addition, templated word problems answered with their working (the default suite)
+and prefix sums (an extra). Every example is a
 function of ``(task, seed, index)``; an example belongs to the held-out split when a hash of its
 question says so, and the training stream skips those, so no held-out question is ever trained
 on.
@@ -27,24 +28,29 @@ class Example:
     answer: str
 
 
-def _letters(rng: random.Random, low: int, high: int) -> list[str]:
-    # Spaced letters: one token each under a word-level tokenizer, so the task is about order.
-    return [rng.choice(LETTERS) for _ in range(rng.randint(low, high))]
+def _numbers(rng: random.Random, low: int, high: int, max_digits: int = 3) -> list[str]:
+    # Numbers of one to three digits, one token per digit: where an item lands in the answer
+    # depends on the lengths of the items before it, so answers are decoded a few tokens at a
+    # time, left to right, like text (a list of fixed-width items would come out in one step).
+    count = rng.randint(low, high)
+    return [str(rng.randint(0, 10 ** rng.randint(1, max_digits) - 1)) for _ in range(count)]
 
 
 def _copy(rng: random.Random) -> tuple[str, str]:
-    letters = " ".join(_letters(rng, 3, 10))
-    return f"Copy: {letters}", letters
+    numbers = " ".join(_numbers(rng, 4, 10))
+    return f"Copy: {numbers}", numbers
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
-    letters = _letters(rng, 3, 8)
-    return f"Reverse: {' '.join(letters)}", " ".join(reversed(letters))
+    numbers = _numbers(rng, 3, 8)
+    return f"Reverse: {' '.join(numbers)}", " ".join(reversed(numbers))
 
 
 def _sort(rng: random.Random) -> tuple[str, str]:
-    digits = [rng.randint(0, 9) for _ in range(rng.randint(3, 7))]
-    return f"Sort: {' '.join(map(str, digits))}", " ".join(map(str, sorted(digits)))
+    numbers = sorted(map(int, _numbers(rng, 3, 8, max_digits=2)))
+    shuffled = numbers[:]
+    rng.shuffle(shuffled)
+    return f"Sort: {' '.join(map(str, shuffled))}", " ".join(map(str, numbers))
 
 
 def _recall(rng: random.Random) -> tuple[str, str]:
@@ -65,9 +71,10 @@ def _word_problem(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(2, 40), rng.randint(2, 40)
     if rng.random() < 0.5:
         return (f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have?",
-                str(a + b))
+                f"{name} has {a} + {b} = {a + b} {item}.")
     a, b = max(a, b), min(a, b)
-    return (f"{name} has {a} {item} and gives away {b}. How many {item} are left?", str(a - b))
+    return (f"{name} has {a} {item} and gives away {b}. How many {item} are left?",
+            f"{a} - {b} = {a - b} {item} are left.")
 
 
 def _prefix_sums(rng: random.Random) -> tuple[str, str]:

@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--max-seconds", type=float, default=None)
     parser.add_argument("--eval-per-task", type=int, default=50)
+    parser.add_argument("--eval-max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=48)
     parser.add_argument("--tasks", default=",".join(tasks.SUITE))
@@ -79,7 +81,7 @@ def main() -> None:
     tokenizer = build_tokenizer(task_names)
     overrides = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
                      head_dim=32) if args.small else {}
-    cfg = geometry(tokenizer, args.block_size, **overrides)
+    cfg = geometry(tokenizer, args.block_size, **{"num_layers": args.num_layers, **overrides})
     model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
                                (tokenizer.eos_token_id,))
     print(f"parameters: {cfg.num_params / 1e6:.2f}M, vocab {cfg.vocab_size}")
@@ -92,7 +94,7 @@ def main() -> None:
     export(trained, args.out / "focus-tiny")
     if args.eval_per_task:
         reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task, tasks=task_names),
-                                    max_batch=128)
+                                    max_batch=128, max_new_tokens=args.eval_max_new_tokens)
         table = evaluate.markdown(reports)
         print(table)
         (args.out / "eval.md").write_text(table + "\n")

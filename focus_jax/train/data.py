@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from focus_jax import tasks
-from focus_jax.api import encode_prompt
 from focus_jax.model import Model
 
 
@@ -24,17 +24,26 @@ class BatchSource(Protocol):
         ...
 
 
-def encode_pair(model: Model, prompt: str, response: str, length: int) -> tuple[list[int], int] | None:
-    """Prompt (chat template) + response + EOS padding to ``length``; and where the response
-    starts. None if the pair does not fit."""
+def encode_pairs(model: Model, prompts: Sequence[str], responses: Sequence[str],
+                 length: int) -> list[tuple[list[int], int] | None]:
+    """Each pair as prompt (chat template) + response + EOS padding to ``length``, with where the
+    response starts; None for a pair that does not fit. One batched tokenizer call per side:
+    the same ids as ``encode_prompt`` gives one prompt at a time, several times faster."""
     tokenizer = model.tokenizer
-    prompt_ids = encode_prompt(model, prompt)
-    response_ids = [*tokenizer.encode(response, add_special_tokens=False), tokenizer.eos_token_id]
-    if len(prompt_ids) + len(response_ids) > length:
-        return None
-    ids = prompt_ids + response_ids
-    # Everything after the response is EOS: the model learns to end, and to end with confidence.
-    return ids + [tokenizer.eos_token_id] * (length - len(ids)), len(prompt_ids)
+    if getattr(tokenizer, "chat_template", None):
+        texts = tokenizer.apply_chat_template([[{"role": "user", "content": p}] for p in prompts],
+                                              add_generation_prompt=True, tokenize=False)
+    else:
+        texts = list(prompts)
+    prompt_ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    out: list[tuple[list[int], int] | None] = []
+    for prompt, response in zip(prompt_ids, response_ids, strict=True):
+        ids = [*prompt, *response, eos]
+        # Everything after the response is EOS: the model learns to end, and with confidence.
+        out.append(None if len(ids) > length else (ids + [eos] * (length - len(ids)), len(prompt)))
+    return out
 
 
 def _pack(pairs: list[tuple[list[int], int]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,15 +70,13 @@ class TaskSource:
             attempt += 1
 
     def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        pairs = []
-        i = index * self.batch_size
-        while len(pairs) < self.batch_size:
-            example = self.example(i)
-            encoded = encode_pair(self.model, example.question, example.answer, self.length)
-            if encoded is None:
+        start = index * self.batch_size
+        examples = [self.example(i) for i in range(start, start + self.batch_size)]
+        pairs = encode_pairs(self.model, [e.question for e in examples],
+                             [e.answer for e in examples], self.length)
+        for example, pair in zip(examples, pairs, strict=True):
+            if pair is None:
                 raise ValueError(f"sequence length {self.length} is too short for {example}")
-            pairs.append(encoded)
-            i += 1
         return _pack(pairs, self.length)
 
 
@@ -82,9 +89,8 @@ class PairSource:
     def __init__(self, model: Model, path: str | Path, batch_size: int, length: int,
                  seed: int = 0):
         self.batch_size, self.length, self.seed = batch_size, length, seed
-        self.pairs: list[tuple[list[int], int]] = []
-        self.dropped = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
+        records = []
         for number, line in enumerate(Path(path).read_text().splitlines(), 1):
             if not line.strip():
                 continue
@@ -92,11 +98,11 @@ class PairSource:
             if not isinstance(record, dict) or "prompt" not in record or "response" not in record:
                 raise ValueError(f"{path}:{number}: each line must be a JSON object with "
                                  f"'prompt' and 'response'")
-            encoded = encode_pair(model, record["prompt"], record["response"], length)
-            if encoded is None:
-                self.dropped += 1
-            else:
-                self.pairs.append(encoded)
+            records.append(record)
+        encoded = encode_pairs(model, [r["prompt"] for r in records],
+                               [r["response"] for r in records], length) if records else []
+        self.pairs = [pair for pair in encoded if pair is not None]
+        self.dropped = len(encoded) - len(self.pairs)
         if not self.pairs:
             raise ValueError(f"{path}: no usable pairs (dropped {self.dropped} longer than "
                              f"{length} tokens)")
