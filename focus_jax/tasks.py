@@ -1,8 +1,9 @@
 """A deterministic suite of small tasks with exact-match answers, for training and evaluation.
 
-Tasks of graded difficulty: copying, reversal and sorting of lists of numbers, key-value recall,
-multi-digit addition, templated word problems answered with their working (the default suite)
-and prefix sums (an extra). Every example is a
+Tasks of graded difficulty (the default suite): copying, reversal and sorting of lists of
+numbers, key-value recall, multi-digit addition, and three chains whose every step depends on
+the one before (two-step word problems answered with their working, Fibonacci terms mod 100,
+left-to-right arithmetic with its working); prefix sums are an extra. Every example is a
 function of ``(task, seed, index)``; an example belongs to the held-out split when a hash of its
 question says so, and the training stream skips those, so no held-out question is ever trained
 on.
@@ -29,15 +30,13 @@ class Example:
 
 
 def _numbers(rng: random.Random, low: int, high: int, max_digits: int = 3) -> list[str]:
-    # Numbers of one to three digits, one token per digit: where an item lands in the answer
-    # depends on the lengths of the items before it, so answers are decoded a few tokens at a
-    # time, left to right, like text (a list of fixed-width items would come out in one step).
+    # Numbers of one to three digits (one token per digit), so items have different lengths.
     count = rng.randint(low, high)
     return [str(rng.randint(0, 10 ** rng.randint(1, max_digits) - 1)) for _ in range(count)]
 
 
 def _copy(rng: random.Random) -> tuple[str, str]:
-    numbers = " ".join(_numbers(rng, 4, 10))
+    numbers = " ".join(_numbers(rng, 3, 6))
     return f"Copy: {numbers}", numbers
 
 
@@ -67,14 +66,36 @@ def _add(rng: random.Random) -> tuple[str, str]:
 
 
 def _word_problem(rng: random.Random) -> tuple[str, str]:
+    # Two steps, answered with the working: each result is computed from the one before.
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b = rng.randint(2, 40), rng.randint(2, 40)
-    if rng.random() < 0.5:
-        return (f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have?",
-                f"{name} has {a} + {b} = {a + b} {item}.")
-    a, b = max(a, b), min(a, b)
-    return (f"{name} has {a} {item} and gives away {b}. How many {item} are left?",
-            f"{a} - {b} = {a - b} {item} are left.")
+    c = rng.randint(1, a + b)
+    return (f"{name} has {a} {item}, gets {b} more and gives away {c}. How many {item} does "
+            f"{name} have now?",
+            f"{a} + {b} = {a + b}. {a + b} - {c} = {a + b - c}. {name} has {a + b - c} {item}.")
+
+
+def _fibonacci(rng: random.Random) -> tuple[str, str]:
+    # Each term is the sum of the two before it (mod 100): a chain no single forward pass can
+    # unroll, so a model decodes it a term or two at a time, as it would text.
+    terms = [rng.randint(0, 99), rng.randint(0, 99)]
+    while len(terms) < 10:
+        terms.append((terms[-1] + terms[-2]) % 100)
+    return f"Fibonacci mod 100: {terms[0]} {terms[1]}", " ".join(map(str, terms[2:]))
+
+
+def _arithmetic(rng: random.Random) -> tuple[str, str]:
+    # Left to right, one operation per step, each starting from the result before it.
+    value = rng.randint(1, 50)
+    expression, steps = str(value), []
+    for _ in range(rng.randint(2, 4)):
+        operand = rng.randint(1, 50)
+        op = "-" if operand <= value and rng.random() < 0.5 else "+"
+        result = value - operand if op == "-" else value + operand
+        expression += f"{op}{operand}"
+        steps.append(f"{value}{op}{operand}={result}")
+        value = result
+    return f"Compute: {expression}", ", ".join(steps)
 
 
 def _prefix_sums(rng: random.Random) -> tuple[str, str]:
@@ -87,9 +108,10 @@ def _prefix_sums(rng: random.Random) -> tuple[str, str]:
 
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "copy": _copy, "reverse": _reverse, "sort": _sort, "recall": _recall, "add": _add,
-    "word_problem": _word_problem, "prefix_sums": _prefix_sums,
+    "word_problem": _word_problem, "fibonacci": _fibonacci, "arithmetic": _arithmetic,
+    "prefix_sums": _prefix_sums,
 }
-SUITE = ("copy", "reverse", "sort", "recall", "add", "word_problem")
+SUITE = ("copy", "reverse", "sort", "recall", "add", "word_problem", "fibonacci", "arithmetic")
 """The default suite (the bundled model's training and evaluation tasks); ``prefix_sums`` is an
 extra, harder task (see docs/quality.md)."""
 
