@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--modes", default="baseline,delayed,focus")
     ev.add_argument("--alpha", type=float, default=1.5)
     ev.add_argument("--max-batch", type=int, default=64)
-    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--max-new-tokens", type=int, default=32)
     ev.add_argument("--markdown", help="also write the tables to this file")
     ev.set_defaults(func=cmd_eval)
 

@@ -42,7 +42,7 @@ class ModeReport:
 
 def evaluate(model: Model, examples: Sequence[tasks.Example],
              modes: Sequence[str] = ("baseline", "delayed", "focus"), *, max_batch: int = 64,
-             max_new_tokens: int = 64, alpha: float = 1.5,
+             max_new_tokens: int = 32, alpha: float = 1.5,
              progress: bool = False) -> list[ModeReport]:
     """Decode every example in every mode (greedy, default thresholds) and score exact match."""
     prompts = [encode_prompt(model, ex.question) for ex in examples]

@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--max-seconds", type=float, default=None)
     parser.add_argument("--eval-per-task", type=int, default=50)
-    parser.add_argument("--eval-max-new-tokens", type=int, default=64)
+    parser.add_argument("--eval-max-new-tokens", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=48)

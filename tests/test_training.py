@@ -7,8 +7,10 @@ import pytest
 from flax import nnx
 
 from focus_jax import tasks
+from focus_jax.api import encode_prompt
 from focus_jax.testing import tiny_model
 from focus_jax.train import TaskSource, TrainConfig, block_diffusion_mask, train
+from focus_jax.train.data import encode_pairs
 from focus_jax.train.objective import loss
 
 
@@ -38,6 +40,21 @@ def test_loss_ignores_prompt_tokens_and_padding_mask_is_respected():
     everything = jnp.ones((2, 8), bool)
     value, metrics = loss(model.module(), tokens, everything, jax.random.key(0), 4, 2)
     assert float(value) > 0 and int(metrics["masked_tokens"]) > 0
+
+
+def test_batched_pair_encoding_equals_one_prompt_at_a_time():
+    model = tiny_model(tokenizer=True, block_size=8)
+    examples = tasks.held_out(3)
+    pairs = encode_pairs(model, [e.question for e in examples], [e.answer for e in examples], 160)
+    eos = model.tokenizer.eos_token_id
+    for example, (ids, start) in zip(examples, pairs, strict=True):
+        prompt = encode_prompt(model, example.question)
+        response = model.tokenizer.encode(example.answer, add_special_tokens=False)
+        assert start == len(prompt) and ids[:start] == prompt
+        assert ids[start:start + len(response)] == response
+        assert ids[start + len(response):] == [eos] * (160 - start - len(response))
+    # A pair that does not fit is None, not cut.
+    assert encode_pairs(model, ["Copy: a b c"], ["a b c"], 4) == [None]
 
 
 def test_held_out_questions_never_appear_in_training_batches():
