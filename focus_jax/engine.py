@@ -38,6 +38,10 @@ class RequestStats:
     decoded_per_step: list[int] = dataclasses.field(default_factory=list)
     processed_per_step: list[int] = dataclasses.field(default_factory=list)
     retained_per_step: list[int] = dataclasses.field(default_factory=list)
+    processed_tokens: int = 0
+    """Token-steps through layers 0-1 over all its steps, commit steps included."""
+    retained_tokens: int = 0
+    """Token-steps through layers >= 2 over all its steps, commit steps included."""
 
     @property
     def denoising_steps(self) -> int:
@@ -361,6 +365,8 @@ class Engine:
             took_part = logs.live[:steps, slot]
             denoising = took_part & (decoded[:, slot] > 0)
             request.stats.steps += int(took_part.sum())
+            request.stats.processed_tokens += int(processed[took_part, slot].sum())
+            request.stats.retained_tokens += int(retained[took_part, slot].sum())
             request.stats.decoded_per_step += decoded[denoising, slot].tolist()
             request.stats.processed_per_step += processed[denoising, slot].tolist()
             request.stats.retained_per_step += retained[denoising, slot].tolist()

@@ -12,7 +12,6 @@ tokenizer files) that `focus_jax.load` reads; checkpoints/focus-tiny is a copy o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import shutil
@@ -99,9 +98,7 @@ def main() -> None:
         table = evaluate.markdown(reports)
         print(table)
         (args.out / "eval.md").write_text(table + "\n")
-        (args.out / "eval.json").write_text(json.dumps(
-            [{**dataclasses.asdict(r), "average_exact_match": r.average_exact_match,
-              "token_layers_per_token": r.token_layers_per_token} for r in reports], indent=1))
+        (args.out / "eval.json").write_text(json.dumps([r.summary() for r in reports], indent=1))
 
 
 if __name__ == "__main__":

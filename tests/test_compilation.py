@@ -29,6 +29,10 @@ def test_long_run_compiles_nothing_after_warmup(model, mode):
         results = engine.run()
     assert len(results) == 14
     assert serving == []
+    # Every token-step is some request's: per-request totals (commit steps included) add up.
+    for field in ("processed_tokens", "retained_tokens"):
+        per_request = [getattr(r.stats, field) for r in results.values()]
+        assert all(n > 0 for n in per_request) and sum(per_request) == getattr(engine.stats, field)
     assert len(engine.stats.retained_buckets) > 1  # several buckets were really used
 
 
