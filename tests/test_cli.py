@@ -39,3 +39,21 @@ def test_prompt_longer_than_max_position_embeddings_is_an_error(model_dir, capsy
                  "--block-size", "4", "--no-chat"])
     _, err = capsys.readouterr()
     assert code == 2 and "max_position_embeddings" in err
+
+
+def test_eval_reports_every_task_and_mode_and_writes_markdown(model_dir, tmp_path, capsys):
+    written = tmp_path / "quality.md"
+    code = main(["eval", "--model", str(model_dir), "--per-task", "2", "--tasks", "copy,add",
+                 "--modes", "baseline,focus", "--max-new-tokens", "8", "--markdown", str(written)])
+    out, _ = capsys.readouterr()
+    table = written.read_text()
+    assert code == 0 and table.strip() in out
+    for row in ("| baseline (0.9) |", "| focus (0.8) |", "| copy, baseline |", "| copy, focus |",
+                "| add, baseline |", "| add, focus |"):
+        assert row in table
+
+
+def test_eval_unknown_task_is_an_error_message(model_dir, capsys):
+    code = main(["eval", "--model", str(model_dir), "--tasks", "copy,nope"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "unknown task" in err and "Traceback" not in err
