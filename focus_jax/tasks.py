@@ -1,7 +1,8 @@
 """A deterministic suite of small tasks with exact-match answers, for training and evaluation.
 
 Tasks of graded difficulty: copying, reversal, sorting, key-value recall, multi-digit addition,
-templated word problems (the default suite) and prefix sums (an extra). Every example is a
+templated word problems (the default suite); prefix sums and word problems answered in varied
+words (extras). Every example is a
 function of ``(task, seed, index)``; an example belongs to the held-out split when a hash of its
 question says so, and the training stream skips those, so no held-out question is ever trained
 on.
@@ -18,6 +19,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 NAMES = ("Ana", "Ben", "Cai", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kim", "Leo")
 ITEMS = ("apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles")
 HELD_OUT_PERCENT = 10
+ANSWER_MARK = "####"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +80,39 @@ def _prefix_sums(rng: random.Random) -> tuple[str, str]:
     return f"Prefix sums: {' '.join(map(str, numbers))}", " ".join(map(str, sums))
 
 
+def _story(rng: random.Random) -> tuple[str, str]:
+    # A two-step word problem answered in words, each sentence in one of several phrasings of
+    # different lengths, then the final answer after "####" (scored alone, as GSM8K is). Which
+    # phrasing comes next cannot be known, and where the later tokens land depends on it: like
+    # text, and unlike the other tasks, only a few tokens of a block can be decoded at a time.
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 40), rng.randint(2, 40)
+    c = rng.randint(1, a + b)
+    total, left = a + b, a + b - c
+    sentences = (
+        (f"{name} starts with {a} {item}.", f"At first {name} has {a} {item}.",
+         f"In the beginning there are {a} {item}.", f"{name} has {a} {item} to begin with."),
+        (f"After getting {b} more, {name} has {a} + {b} = {total} {item}.",
+         f"Getting {b} more makes {a} + {b} = {total}.", f"Then {b} more arrive: {a} + {b} = {total}.",
+         f"{a} + {b} = {total}, since {name} gets {b} more."),
+        (f"Giving away {c} leaves {total} - {c} = {left}.",
+         f"After giving {c} away, {name} has {total} - {c} = {left} {item}.",
+         f"Then {c} are given away: {total} - {c} = {left}.",
+         f"{total} - {c} = {left} are left once {c} are gone."),
+    )
+    working = " ".join(rng.choice(options) for options in sentences)
+    return (f"{name} has {a} {item}, gets {b} more and gives away {c}. How many {item} does "
+            f"{name} have now?", f"{working} #### {left}")
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "copy": _copy, "reverse": _reverse, "sort": _sort, "recall": _recall, "add": _add,
-    "word_problem": _word_problem, "prefix_sums": _prefix_sums,
+    "word_problem": _word_problem, "prefix_sums": _prefix_sums, "story": _story,
 }
 SUITE = ("copy", "reverse", "sort", "recall", "add", "word_problem")
-"""The default suite (the bundled model's training and evaluation tasks); ``prefix_sums`` is an
-extra, harder task (see docs/quality.md)."""
+"""The default suite (the bundled model's training and evaluation tasks). Extras: ``prefix_sums``,
+harder (see docs/quality.md), and ``story``, word problems answered in varied words (its
+exact match is on the final answer after ``####``)."""
 
 
 def is_held_out(question: str) -> bool:
@@ -126,5 +154,14 @@ def held_out(per_task: int, seed: int = 1_000_003,
     return out
 
 
+def final_answer(text: str) -> str:
+    """The part after the last ``####`` (the whole text if there is none), stripped."""
+    return text.rsplit(ANSWER_MARK, 1)[-1].strip()
+
+
 def exact_match(prediction: str, answer: str) -> bool:
+    """Equal after stripping spaces; for answers with a ``####`` line, the final answers only
+    (the working may be phrased in any way)."""
+    if ANSWER_MARK in answer:
+        return ANSWER_MARK in prediction and final_answer(prediction) == final_answer(answer)
     return prediction.strip() == answer.strip()
