@@ -83,8 +83,9 @@ def _prefix_sums(rng: random.Random) -> tuple[str, str]:
 def _story(rng: random.Random) -> tuple[str, str]:
     # A two-step word problem answered in words, each sentence in one of several phrasings of
     # different lengths, then the final answer after "####" (scored alone, as GSM8K is). Which
-    # phrasing comes next cannot be known, and where the later tokens land depends on it: like
-    # text, and unlike the other tasks, only a few tokens of a block can be decoded at a time.
+    # phrasing comes next cannot be known, and where the later tokens land depends on it, so
+    # (as in text; still to be measured on a trained model) only a few tokens of a block should
+    # be decodable at a time, where the other tasks let a model decode most of a block at once.
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b = rng.randint(2, 40), rng.randint(2, 40)
     c = rng.randint(1, a + b)
