@@ -160,8 +160,7 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         engine.run(progress=progress)
     s = engine.stats
     steps = max(s.steps, 1)
-    flops = layer_flops_per_token(cfg) * (2 * s.processed_tokens
-                                          + (cfg.num_layers - 2) * s.retained_tokens)
+    flops = layer_flops_per_token(cfg) * s.token_layers(cfg.num_layers)
     flops += 2 * cfg.hidden_size * cfg.vocab_size * s.sampled_tokens
     return BenchResult(
         mode=config.mode, batch=batch, requests=len(prompts), generated_tokens=s.generated_tokens,

@@ -29,6 +29,12 @@ from focus_jax.model import Model
 from focus_jax.unmasking import Sampler
 
 
+def token_layer_split(processed: float, retained: float, num_layers: int) -> tuple[float, float]:
+    """Token-layers through layers 0-1 (every processed token) and through layers >= 2 (the
+    retained ones), from token counts (or counts per step, or per generated token)."""
+    return 2 * processed, (num_layers - 2) * retained
+
+
 @dataclasses.dataclass
 class RequestStats:
     """Per-request statistics. Lists hold one entry per denoising step (commit steps excluded)."""
@@ -93,7 +99,7 @@ class RunStats:
 
     def token_layers(self, num_layers: int) -> int:
         """Token-layers computed: processed tokens through layers 0-1, retained through the rest."""
-        return 2 * self.processed_tokens + (num_layers - 2) * self.retained_tokens
+        return sum(token_layer_split(self.processed_tokens, self.retained_tokens, num_layers))
 
     @property
     def tokens_per_second(self) -> float:

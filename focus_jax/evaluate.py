@@ -10,7 +10,7 @@ from typing import Any
 from focus_jax import tasks
 from focus_jax.api import encode_prompt
 from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, cache_length
+from focus_jax.engine import Engine, cache_length, token_layer_split
 from focus_jax.model import Model
 
 
@@ -45,8 +45,8 @@ class Counts:
     def token_layers_per_token(self, num_layers: int) -> tuple[float, float]:
         """Token-layers per generated token through layers 0-1 and through layers >= 2."""
         generated = max(self.generated_tokens, 1)
-        return (2 * self.processed_tokens / generated,
-                (num_layers - 2) * self.retained_tokens / generated)
+        return token_layer_split(self.processed_tokens / generated,
+                                 self.retained_tokens / generated, num_layers)
 
 
 @dataclasses.dataclass
@@ -66,10 +66,6 @@ class ModeReport:
     def average_exact_match(self) -> float:
         """Mean over tasks of their exact match (tasks weigh the same)."""
         return sum(c.exact_match for c in self.tasks.values()) / len(self.tasks)
-
-    @property
-    def token_layers_per_token(self) -> float:
-        return sum(self.overall.token_layers_per_token(self.num_layers))
 
     def summary(self) -> dict[str, Any]:
         """Plain numbers (for JSON): per task and overall."""

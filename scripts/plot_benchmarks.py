@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from focus_jax.engine import token_layer_split
+
 MODES = ("baseline", "delayed", "focus")
 # Layer counts of runs whose JSON predates the "num_layers" field.
 LAYERS = {"sdar-8b": 36, "sdar-1.7b": 28, "focus-tiny": 8}
@@ -44,7 +46,7 @@ def main() -> None:
 
     def token_layers(r):
         layers = r.get("num_layers") or LAYERS[r["model"]]
-        return 2 * r["processed_per_step"] + (layers - 2) * r["retained_per_step"]
+        return sum(token_layer_split(r["processed_per_step"], r["retained_per_step"], layers))
 
     # Bars: speed-up over baseline (models differ by 100x in tokens/s); labels: tokens/s.
     # Black ticks: the ideal speed-up from token-layers per step (baseline's over the mode's).
