@@ -80,36 +80,123 @@ def _prefix_sums(rng: random.Random) -> tuple[str, str]:
     return f"Prefix sums: {' '.join(map(str, numbers))}", " ".join(map(str, sums))
 
 
+def _say(rng: random.Random, *options: str) -> str:
+    return rng.choice(options)
+
+
+def _walk(rng: random.Random, items: list[str], first: tuple[str, ...]) -> str:
+    """``items`` in order, after one of the ``first`` openings, each joined to the one before by a
+    connector of random length: where an item lands depends on every earlier choice."""
+    text = _say(rng, *first) + items[0]
+    for item in items[1:]:
+        text += _say(rng, ", then ", ", next ", " and then ", ", ", "; after it ") + item
+    return text + _say(rng, ".", ". Done.", ", the end.", ".")
+
+
+# The worked tasks answer with their working in varied words, then the final answer after "####"
+# (scored alone, as GSM8K is). The choice of words cannot be predicted and moves every later
+# token, so, as in text, only a few tokens of a block are decodable at a time: the dynamics
+# FOCUS is for (a model trained on the short-answer tasks decodes most of a block at once).
+
+def _worked_copy(rng: random.Random) -> tuple[str, str]:
+    letters = _letters(rng, 3, 10)
+    working = _walk(rng, letters, ("Letter by letter: ", "In order: ", "They are ", "First "))
+    return f"Copy: {' '.join(letters)}", f"{working} {ANSWER_MARK} {' '.join(letters)}"
+
+
+def _worked_reverse(rng: random.Random) -> tuple[str, str]:
+    letters = _letters(rng, 3, 8)
+    back = letters[::-1]
+    working = _walk(rng, back, ("From the end: ", "Backwards: ", "Last first: ", "Starting at "))
+    return f"Reverse: {' '.join(letters)}", f"{working} {ANSWER_MARK} {' '.join(back)}"
+
+
+def _worked_sort(rng: random.Random) -> tuple[str, str]:
+    digits = sorted(rng.randint(0, 9) for _ in range(rng.randint(3, 7)))
+    shuffled = rng.sample(digits, len(digits))
+    working = _walk(rng, list(map(str, digits)),
+                    ("Smallest first: ", "Going up: ", "In order: ", "From low to high: "))
+    return (f"Sort: {' '.join(map(str, shuffled))}",
+            f"{working} {ANSWER_MARK} {' '.join(map(str, digits))}")
+
+
+def _worked_recall(rng: random.Random) -> tuple[str, str]:
+    keys = rng.sample(LETTERS, rng.randint(3, 5))
+    values = [rng.randint(10, 99) for _ in keys]
+    asked = rng.randrange(len(keys))
+    pairs = " ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+    steps = [f"{k} is {v}, " + _say(rng, "not it", "no", "skip", "not {asked}").format(
+        asked=keys[asked]) for k, v in zip(keys[:asked], values[:asked], strict=True)]
+    steps.append(f"{keys[asked]} is {values[asked]}, " + _say(rng, "found it", "yes", "that one"))
+    working = _say(rng, "Looking for ", "Find ", "We want ") + keys[asked] + ". " + "; ".join(steps)
+    return f"Recall {keys[asked]}: {pairs}", f"{working}. {ANSWER_MARK} {values[asked]}"
+
+
+def _worked_add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    carry, parts = 0, []
+    columns = ("ones", "tens", "hundreds")
+    for place in range(max(len(str(a)), len(str(b)))):
+        da, db = a // 10 ** place % 10, b // 10 ** place % 10
+        total = da + db + carry
+        terms = f"{da} + {db}" + (f" + {carry}" if carry else "")
+        head = _say(rng, f"{columns[place].capitalize()}: ", f"The {columns[place]} give ",
+                    f"In the {columns[place]}, ", f"Then the {columns[place]}: ")
+        carry = total // 10
+        tail = (_say(rng, f", write {total % 10} and carry 1", f", keep {total % 10}, carry 1",
+                     f", so {total % 10} down and 1 up") if carry else "")
+        parts.append(f"{head}{terms} = {total}{tail}.")
+    if carry:
+        parts.append(_say(rng, "The carry makes 1 more digit.", "Last, the 1 we carried.",
+                          "Then write the carried 1."))
+    return f"Add: {a}+{b}", f"{' '.join(parts)} {ANSWER_MARK} {a + b}"
+
+
 def _story(rng: random.Random) -> tuple[str, str]:
-    # A two-step word problem answered in words, each sentence in one of several phrasings of
-    # different lengths, then the final answer after "####" (scored alone, as GSM8K is). Which
-    # phrasing comes next cannot be known, and where the later tokens land depends on it, so
-    # (as in text; still to be measured on a trained model) only a few tokens of a block should
-    # be decodable at a time, where the other tasks let a model decode most of a block at once.
+    # A three-step word problem answered in words, each clause in one of several phrasings.
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(2, 40), rng.randint(2, 40)
-    c = rng.randint(1, a + b)
-    total, left = a + b, a + b - c
-    sentences = (
-        (f"{name} starts with {a} {item}.", f"At first {name} has {a} {item}.",
-         f"In the beginning there are {a} {item}.", f"{name} has {a} {item} to begin with."),
-        (f"After getting {b} more, {name} has {a} + {b} = {total} {item}.",
-         f"Getting {b} more makes {a} + {b} = {total}.", f"Then {b} more arrive: {a} + {b} = {total}.",
-         f"{a} + {b} = {total}, since {name} gets {b} more."),
-        (f"Giving away {c} leaves {total} - {c} = {left}.",
-         f"After giving {c} away, {name} has {total} - {c} = {left} {item}.",
-         f"Then {c} are given away: {total} - {c} = {left}.",
-         f"{total} - {c} = {left} are left once {c} are gone."),
-    )
-    working = " ".join(rng.choice(options) for options in sentences)
-    return (f"{name} has {a} {item}, gets {b} more and gives away {c}. How many {item} does "
-            f"{name} have now?", f"{working} #### {left}")
+    count = rng.randint(2, 40)
+    question = [f"{name} has {count} {item}"]
+    working = [_say(rng, f"{name} starts with {count} {item}.", f"At first {name} has {count}.",
+                    f"There are {count} {item} to begin with.", f"{name} has {count} at the start.")]
+    for _ in range(3):
+        opener = _say(rng, "Then ", "Next, ", "After that, ", "")
+        if rng.random() < 0.5 or count < 2:
+            n = rng.randint(2, 30)
+            new = count + n
+            question.append(f"gets {n} more")
+            clause = _say(rng, f"{name} gets {n} more", f"{n} more arrive", f"{name} is given {n}",
+                          f"{name} adds {n}")
+            link = _say(rng, ", so ", ". That makes ", ": ", ", giving ")
+            sum_ = f"{count} + {n} = {new}"
+        else:
+            n = rng.randint(1, count - 1)
+            new = count - n
+            question.append(f"gives away {n}")
+            clause = _say(rng, f"{name} gives away {n}", f"{n} are given away",
+                          f"{name} hands out {n}", f"{n} go to a friend")
+            link = _say(rng, ", so ", ". That leaves ", ": ", ", leaving ")
+            sum_ = f"{count} - {n} = {new}"
+        if not opener:
+            clause = clause[0].upper() + clause[1:]
+        end = _say(rng, ".", f" {item}.", " in all.", " now.")
+        working.append(f"{opener}{clause}{link}{sum_}{end}")
+        count = new
+    final = _say(rng, f" So {name} has {count}.", f" The answer is {count}.", "")
+    asked = ", ".join(question[:-1]) + " and " + question[-1]
+    return (f"{asked}. How many {item} does {name} have now?",
+            f"{' '.join(working)}{final} {ANSWER_MARK} {count}")
 
 
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "copy": _copy, "reverse": _reverse, "sort": _sort, "recall": _recall, "add": _add,
     "word_problem": _word_problem, "prefix_sums": _prefix_sums, "story": _story,
+    "worked_copy": _worked_copy, "worked_reverse": _worked_reverse, "worked_sort": _worked_sort,
+    "worked_recall": _worked_recall, "worked_add": _worked_add,
 }
+WORKED = ("worked_copy", "worked_reverse", "worked_sort", "worked_recall", "worked_add", "story")
+"""The same kinds of task answered with their working in varied words (scored on the final
+answer after ``####``)."""
 SUITE = ("copy", "reverse", "sort", "recall", "add", "word_problem")
 """The default suite (the bundled model's training and evaluation tasks). Extras: ``prefix_sums``,
 harder (see docs/quality.md), and ``story``, word problems answered in varied words (its

@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(tasks.SUITE))
     parser.add_argument("--truncate-prob", type=float, default=0.0,
                         help="share of blocks trained with a truncated in-block view (FOCUS)")
+    parser.add_argument("--stale-prob", type=float, default=0.0,
+                        help="share of blocks trained with the delayed KV cache's stale views")
     parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
     args = parser.parse_args()
 
@@ -89,7 +91,7 @@ def main() -> None:
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,
-                            truncate_prob=args.truncate_prob)
+                            truncate_prob=args.truncate_prob, stale_prob=args.stale_prob)
     trained = train(model, source, train_cfg, args.out / "run", resume=True)
     export(trained, args.out / "focus-tiny")
     if args.eval_per_task:

@@ -31,6 +31,21 @@ def test_truncated_view_hides_later_noisy_slots_of_the_block():
     assert mask[0, 0:4].tolist() == [True, True, False, False]   # block 0 untouched
 
 
+def test_stale_view_hides_the_block_beyond_the_next_slot_from_unmasked_queries():
+    stale = jnp.array([[True, False, True, False]])
+    mask = np.asarray(block_diffusion_mask(4, 4, stale=stale))[0]
+    assert mask[0, 0:4].tolist() == [True, True, False, False]  # sees itself and slot 1
+    assert mask[1, 0:4].tolist() == [True, True, True, True]    # a masked query: the block
+    assert mask[2, 0:4].tolist() == [True, True, True, True]    # slot 3 is its next slot
+    plain = np.asarray(block_diffusion_mask(4, 4))
+    np.testing.assert_array_equal(mask[4:], plain[4:])          # the clean copy is unchanged
+    model = tiny_model(tokenizer=True, block_size=4)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(5, 100, size=(2, 8)), jnp.int32)
+    losses = [float(loss(model.module(), tokens, jnp.ones((2, 8), bool), jax.random.key(1), 4, 2,
+                         stale_prob=p)[0]) for p in (0.0, 1.0)]
+    assert losses[0] != losses[1]  # the option reaches the model's attention
+
+
 def test_loss_ignores_prompt_tokens_and_padding_mask_is_respected():
     model = tiny_model(tokenizer=True, block_size=4)
     tokens = jnp.asarray(np.random.default_rng(0).integers(5, 100, size=(2, 8)), jnp.int32)
@@ -77,7 +92,7 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
     model = tiny_model(tokenizer=True, block_size=8)
     source = TaskSource(model, batch_size=4, length=120)
     cfg = TrainConfig(steps=4, warmup_steps=1, block_size=8, checkpoint_every=2, log_every=1,
-                      compute_dtype="float32", truncate_prob=0.5)
+                      compute_dtype="float32", truncate_prob=0.5, stale_prob=0.5)
     straight = train(model, source, cfg, tmp_path / "a", progress=False)
     train(model, source, cfg.__class__(**{**cfg.__dict__, "steps": 2}), tmp_path / "b",
           progress=False)

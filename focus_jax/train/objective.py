@@ -24,6 +24,13 @@ tokens of their block only up to a random cut-off slot (and only those up to it 
 Under FOCUS, retained tokens attend up to the rightmost retained slot (SPEC_FOCUS 5-6), so the
 model meets such truncated blocks at inference; training on them keeps it from, for example,
 repeating the last token of an answer whose end it can no longer see.
+
+Also ours, ``stale_prob``: with that probability a block is trained with the views of the delayed
+KV cache (SPEC_FOCUS 5). There a decoded token's KV is written once, in the step after it was
+decoded, and then frozen while the tokens to its right are still masks, so later queries read
+keys and values computed without the block's later tokens. In a stale block each unmasked noisy
+token sees the noisy tokens of its block only up to the next slot; masked tokens (re-run every
+step at inference) see the whole block.
 """
 
 from __future__ import annotations
@@ -42,16 +49,22 @@ def within_cutoff(length: int, block_size: int,
 
 
 def block_diffusion_mask(length: int, block_size: int,
-                         cutoff: Int[Array, "... blocks"] | None = None) -> Bool[Array, "... 2l 2l"]:
+                         cutoff: Int[Array, "... blocks"] | None = None,
+                         stale: Bool[Array, "... l"] | None = None) -> Bool[Array, "... 2l 2l"]:
     """Attention mask over ``[noisy copy, clean copy]``: True where a query sees a key.
 
     ``cutoff`` (per block, optionally batched): noisy keys past that slot of their block are
-    hidden from the block's noisy queries.
+    hidden from the block's noisy queries. ``stale`` (per position): these noisy queries see the
+    noisy keys of their block only up to their own slot + 1.
     """
     block = jnp.arange(length) // block_size
     noisy_to_noisy = block[:, None] == block[None, :]
     if cutoff is not None:
         noisy_to_noisy = noisy_to_noisy & within_cutoff(length, block_size, cutoff)[..., None, :]
+    if stale is not None:
+        position = jnp.arange(length)
+        beyond_next = position[None, :] > position[:, None] + 1
+        noisy_to_noisy = noisy_to_noisy & ~(stale[..., :, None] & beyond_next)
     noisy_to_clean = block[None, :] < block[:, None]
     clean_to_clean = block[None, :] <= block[:, None]
     never = jnp.zeros((length, length), bool)
@@ -78,22 +91,24 @@ def noise(tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array, 
 
 def loss(model: Decoder, tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array,
          block_size: int, mask_token_id: int,
-         truncate_prob: float = 0.0) -> tuple[Float[Array, ""], dict[str, Array]]:
+         truncate_prob: float = 0.0, stale_prob: float = 0.0) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The block-diffusion loss of a batch, and metrics (masked-token accuracy, masked count)."""
     b, length = tokens.shape
     if length % block_size:
         raise ValueError(f"sequence length {length} must be a multiple of the block size")
-    noise_key, cut_key, pick_key = jax.random.split(key, 3)
+    noise_key, cut_key, pick_key, stale_key = jax.random.split(key, 4)
     noisy, masked, t = noise(tokens, trainable, noise_key, block_size, mask_token_id)
+    blocks = length // block_size
+    cutoff = stale = None
     if truncate_prob > 0:
-        blocks = length // block_size
         cutoff = jax.random.randint(cut_key, (b, blocks), 0, block_size)
         truncated = jax.random.uniform(pick_key, (b, blocks)) < truncate_prob
         cutoff = jnp.where(truncated, cutoff, block_size - 1)
-        mask = block_diffusion_mask(length, block_size, cutoff)
         masked = masked & within_cutoff(length, block_size, cutoff)
-    else:
-        mask = block_diffusion_mask(length, block_size)
+    if stale_prob > 0:
+        stale_block = jax.random.uniform(stale_key, (b, blocks)) < stale_prob
+        stale = jnp.repeat(stale_block, block_size, axis=1) & (noisy != mask_token_id)
+    mask = block_diffusion_mask(length, block_size, cutoff, stale)
     inputs = jnp.concatenate([noisy, tokens], axis=1)
     positions = jnp.broadcast_to(jnp.tile(jnp.arange(length), 2), inputs.shape)
     hidden, _ = forward_hidden(model, inputs, positions, mask)

@@ -34,6 +34,8 @@ class TrainConfig:
     compute_dtype: str = "bfloat16"
     truncate_prob: float = 0.0
     """Probability of a truncated in-block view per block (see ``objective``)."""
+    stale_prob: float = 0.0
+    """Probability of a block trained with the delayed KV cache's stale views (``objective``)."""
     seed: int = 0
     log_every: int = 50
     checkpoint_every: int = 500
@@ -57,14 +59,14 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
 def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, block_size: int,
-                options: tuple[int, str, float], params: Any, opt_state: Any,
+                options: tuple[int, str, float, float], params: Any, opt_state: Any,
                 tokens: jax.Array, trainable: jax.Array, key: jax.Array):
-    mask_token_id, compute_dtype, truncate_prob = options
+    mask_token_id, compute_dtype, truncate_prob, stale_prob = options
 
     def objective(params):
         cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         return loss(nnx.merge(graphdef, cast), tokens, trainable, key, block_size, mask_token_id,
-                    truncate_prob)
+                    truncate_prob, stale_prob)
 
     (value, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -95,7 +97,7 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
         params, opt_state = restored["params"], restored["opt_state"]
 
     mask_id = model.mask_token_id
-    static = (mask_id, cfg.compute_dtype, cfg.truncate_prob)
+    static = (mask_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob)
     base_key = jax.random.key(cfg.seed)
     log = (out / "log.jsonl").open("a")
     began = time.perf_counter()
