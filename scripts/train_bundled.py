@@ -76,6 +76,8 @@ def main() -> None:
                         help="share of blocks trained with a truncated in-block view (FOCUS)")
     parser.add_argument("--stale-prob", type=float, default=0.0,
                         help="share of blocks trained with the delayed KV cache's stale views")
+    parser.add_argument("--task-per-batch", action="store_true",
+                        help="one task per batch, trimmed to its longest pair (less padding)")
     parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
     args = parser.parse_args()
 
@@ -87,7 +89,8 @@ def main() -> None:
     model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
                                (tokenizer.eos_token_id,))
     print(f"parameters: {cfg.num_params / 1e6:.2f}M, vocab {cfg.vocab_size}")
-    source = TaskSource(model, args.batch_size, args.seq_len, task_names=task_names)
+    source = TaskSource(model, args.batch_size, args.seq_len, task_names=task_names,
+                        task_per_batch=args.block_size if args.task_per_batch else None)
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,

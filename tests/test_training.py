@@ -84,6 +84,29 @@ def test_held_out_questions_never_appear_in_training_batches():
     assert trainable.any(axis=1).all() and not trainable.all(axis=1).any()
 
 
+def test_batches_of_one_task_are_trimmed_to_the_block_multiple_they_need():
+    model = tiny_model(tokenizer=True, block_size=8)
+    names = ("copy", "add")
+    full = TaskSource(model, batch_size=8, length=120, task_names=names)
+    trimmed = TaskSource(model, batch_size=8, length=120, task_names=names, task_per_batch=8)
+    eos = model.tokenizer.eos_token_id
+    for index in range(4):
+        tokens, trainable = trimmed.batch(index)
+        task = names[index % 2]
+        assert {trimmed.example(i, task).task for i in range(index * 8, index * 8 + 8)} == {task}
+        assert tokens.shape[1] % 8 == 0 and tokens.shape[1] < 120
+        # Nothing but EOS padding is cut, and every pair keeps its own EOS.
+        examples = [trimmed.example(i, task) for i in range(index * 8, index * 8 + 8)]
+        reference = encode_pairs(model, [e.question for e in examples],
+                                 [e.answer for e in examples], 120)
+        for row, (ids, start) in zip(tokens, reference, strict=True):
+            assert row.tolist() == ids[:tokens.shape[1]]
+            assert all(t == eos for t in ids[tokens.shape[1]:])
+            assert eos in row[start:].tolist()
+        assert trainable.shape == tokens.shape
+    assert full.batch(0)[0].shape == (8, 120)
+
+
 def params_of(model):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
 

@@ -53,15 +53,20 @@ def _pack(pairs: list[tuple[list[int], int]], length: int) -> tuple[np.ndarray, 
 
 
 class TaskSource:
-    """Batches drawn from the generated task suite (held-out questions never appear)."""
+    """Batches drawn from the generated task suite (held-out questions never appear).
+
+    With ``task_per_batch`` (a multiple of the block size), batch ``i`` holds examples of task
+    ``i mod tasks`` only and is as long as its longest pair, rounded up to that multiple, instead
+    of ``length``: tasks with short answers are not padded to the longest task's length.
+    """
 
     def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
-                 task_names: tuple[str, ...] = tasks.SUITE):
+                 task_names: tuple[str, ...] = tasks.SUITE, task_per_batch: int | None = None):
         self.model, self.batch_size, self.length, self.seed = model, batch_size, length, seed
-        self.task_names = task_names
+        self.task_names, self.task_per_batch = task_names, task_per_batch
 
-    def example(self, index: int) -> tasks.Example:
-        task = self.task_names[index % len(self.task_names)]
+    def example(self, index: int, task: str | None = None) -> tasks.Example:
+        task = task or self.task_names[index % len(self.task_names)]
         attempt = 0
         while True:
             example = tasks.make_example(task, self.seed, index + attempt * (1 << 40))
@@ -71,13 +76,27 @@ class TaskSource:
 
     def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         start = index * self.batch_size
-        examples = [self.example(i) for i in range(start, start + self.batch_size)]
+        task = self.task_names[index % len(self.task_names)] if self.task_per_batch else None
+        examples = [self.example(i, task) for i in range(start, start + self.batch_size)]
         pairs = encode_pairs(self.model, [e.question for e in examples],
                              [e.answer for e in examples], self.length)
         for example, pair in zip(examples, pairs, strict=True):
             if pair is None:
                 raise ValueError(f"sequence length {self.length} is too short for {example}")
-        return _pack(pairs, self.length)
+        if not self.task_per_batch:
+            return _pack(pairs, self.length)
+        eos = self.model.tokenizer.eos_token_id
+        # Each pair ends with one EOS of its own before the padding (EOS too).
+        longest = max(len(ids) - _trailing(ids, eos) + 1 for ids, _ in pairs)
+        keep = min(-(-longest // self.task_per_batch) * self.task_per_batch, self.length)
+        return _pack([(ids[:keep], begin) for ids, begin in pairs], keep)
+
+
+def _trailing(ids: list[int], value: int) -> int:
+    count = 0
+    while count < len(ids) and ids[-1 - count] == value:
+        count += 1
+    return count
 
 
 class PairSource:
