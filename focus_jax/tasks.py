@@ -1,11 +1,11 @@
 """A deterministic suite of small tasks with exact-match answers, for training and evaluation.
 
 Tasks of graded difficulty: copying, reversal, sorting, key-value recall, multi-digit addition,
-templated word problems (the default suite); prefix sums and word problems answered in varied
-words (extras). Every example is a
-function of ``(task, seed, index)``; an example belongs to the held-out split when a hash of its
-question says so, and the training stream skips those, so no held-out question is ever trained
-on.
+templated word problems (the default suite); prefix sums (an extra); and ``WORKED``, the same
+kinds of task answered with their working in varied words and scored on the final answer.
+Every example is a function of ``(task, seed, index)``; an example belongs to the held-out split
+when a hash of its question says so, and the training stream skips those, so no held-out
+question is ever trained on.
 """
 
 from __future__ import annotations
@@ -199,8 +199,7 @@ WORKED = ("worked_copy", "worked_reverse", "worked_sort", "worked_recall", "work
 answer after ``####``)."""
 SUITE = ("copy", "reverse", "sort", "recall", "add", "word_problem")
 """The default suite (the bundled model's training and evaluation tasks). Extras: ``prefix_sums``,
-harder (see docs/quality.md), and ``story``, word problems answered in varied words (its
-exact match is on the final answer after ``####``)."""
+harder (see docs/quality.md), and the ``WORKED`` suite above."""
 
 
 def is_held_out(question: str) -> bool:
