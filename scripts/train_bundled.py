@@ -90,7 +90,7 @@ def main() -> None:
                                (tokenizer.eos_token_id,))
     print(f"parameters: {cfg.num_params / 1e6:.2f}M, vocab {cfg.vocab_size}")
     source = TaskSource(model, args.batch_size, args.seq_len, task_names=task_names,
-                        task_per_batch=args.block_size if args.task_per_batch else None)
+                        trim_multiple=args.block_size if args.task_per_batch else None)
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,

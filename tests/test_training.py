@@ -88,7 +88,7 @@ def test_batches_of_one_task_are_trimmed_to_the_block_multiple_they_need():
     model = tiny_model(tokenizer=True, block_size=8)
     names = ("copy", "add")
     full = TaskSource(model, batch_size=8, length=120, task_names=names)
-    trimmed = TaskSource(model, batch_size=8, length=120, task_names=names, task_per_batch=8)
+    trimmed = TaskSource(model, batch_size=8, length=120, task_names=names, trim_multiple=8)
     eos = model.tokenizer.eos_token_id
     for index in range(4):
         tokens, trainable = trimmed.batch(index)

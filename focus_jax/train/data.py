@@ -55,15 +55,15 @@ def _pack(pairs: list[tuple[list[int], int]], length: int) -> tuple[np.ndarray, 
 class TaskSource:
     """Batches drawn from the generated task suite (held-out questions never appear).
 
-    With ``task_per_batch`` (a multiple of the block size), batch ``i`` holds examples of task
-    ``i mod tasks`` only and is as long as its longest pair, rounded up to that multiple, instead
-    of ``length``: tasks with short answers are not padded to the longest task's length.
+    With ``trim_multiple`` (the block size, say), batch ``i`` holds examples of task
+    ``i mod tasks`` only and is as long as its longest pair rounded up to that multiple, not
+    ``length``: tasks with short answers are not padded to the longest task's length.
     """
 
     def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
-                 task_names: tuple[str, ...] = tasks.SUITE, task_per_batch: int | None = None):
+                 task_names: tuple[str, ...] = tasks.SUITE, trim_multiple: int | None = None):
         self.model, self.batch_size, self.length, self.seed = model, batch_size, length, seed
-        self.task_names, self.task_per_batch = task_names, task_per_batch
+        self.task_names, self.trim_multiple = task_names, trim_multiple
 
     def example(self, index: int, task: str | None = None) -> tasks.Example:
         task = task or self.task_names[index % len(self.task_names)]
@@ -76,19 +76,19 @@ class TaskSource:
 
     def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         start = index * self.batch_size
-        task = self.task_names[index % len(self.task_names)] if self.task_per_batch else None
+        task = self.task_names[index % len(self.task_names)] if self.trim_multiple else None
         examples = [self.example(i, task) for i in range(start, start + self.batch_size)]
         pairs = encode_pairs(self.model, [e.question for e in examples],
                              [e.answer for e in examples], self.length)
         for example, pair in zip(examples, pairs, strict=True):
             if pair is None:
                 raise ValueError(f"sequence length {self.length} is too short for {example}")
-        if not self.task_per_batch:
+        if not self.trim_multiple:
             return _pack(pairs, self.length)
         eos = self.model.tokenizer.eos_token_id
         # Each pair ends with one EOS of its own before the padding (EOS too).
         longest = max(len(ids) - _trailing(ids, eos) + 1 for ids, _ in pairs)
-        keep = min(-(-longest // self.task_per_batch) * self.task_per_batch, self.length)
+        keep = min(-(-longest // self.trim_multiple) * self.trim_multiple, self.length)
         return _pack([(ids[:keep], begin) for ids, begin in pairs], keep)
 
 
