@@ -30,7 +30,9 @@ KV cache (SPEC_FOCUS 5). There a decoded token's KV is written once, in the step
 decoded, and then frozen while the tokens to its right are still masks, so later queries read
 keys and values computed without the block's later tokens. In a stale block each unmasked noisy
 token sees the noisy tokens of its block only up to the next slot; masked tokens (re-run every
-step at inference) see the whole block.
+step at inference) see the whole block. An approximation for left-to-right decoding: at
+inference the frozen token also saw the mask tokens to its right (and any token decoded out of
+order), which this view hides.
 """
 
 from __future__ import annotations
