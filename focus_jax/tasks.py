@@ -90,7 +90,7 @@ def _walk(rng: random.Random, items: list[str], first: tuple[str, ...]) -> str:
     text = _say(rng, *first) + items[0]
     for item in items[1:]:
         text += _say(rng, ", then ", ", next ", " and then ", ", ", "; after it ") + item
-    return text + _say(rng, ".", ". Done.", ", the end.", ".")
+    return text + _say(rng, ".", ". Done.", ", the end.", ".")  # a plain "." two times in five
 
 
 # The worked tasks answer with their working in varied words, then the final answer after "####"
@@ -125,8 +125,8 @@ def _worked_recall(rng: random.Random) -> tuple[str, str]:
     values = [rng.randint(10, 99) for _ in keys]
     asked = rng.randrange(len(keys))
     pairs = " ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
-    steps = [f"{k} is {v}, " + _say(rng, "not it", "no", "skip", "not {asked}").format(
-        asked=keys[asked]) for k, v in zip(keys[:asked], values[:asked], strict=True)]
+    steps = [f"{k} is {v}, " + _say(rng, "not it", "no", "skip", f"not {keys[asked]}")
+             for k, v in zip(keys[:asked], values[:asked], strict=True)]
     steps.append(f"{keys[asked]} is {values[asked]}, " + _say(rng, "found it", "yes", "that one"))
     working = _say(rng, "Looking for ", "Find ", "We want ") + keys[asked] + ". " + "; ".join(steps)
     return f"Recall {keys[asked]}: {pairs}", f"{working}. {ANSWER_MARK} {values[asked]}"
@@ -168,7 +168,7 @@ def _story(rng: random.Random) -> tuple[str, str]:
             clause = _say(rng, f"{name} gets {n} more", f"{n} more arrive", f"{name} is given {n}",
                           f"{name} adds {n}")
             link = _say(rng, ", so ", ". That makes ", ": ", ", giving ")
-            sum_ = f"{count} + {n} = {new}"
+            equation = f"{count} + {n} = {new}"
         else:
             n = rng.randint(1, count - 1)
             new = count - n
@@ -176,11 +176,11 @@ def _story(rng: random.Random) -> tuple[str, str]:
             clause = _say(rng, f"{name} gives away {n}", f"{n} are given away",
                           f"{name} hands out {n}", f"{n} go to a friend")
             link = _say(rng, ", so ", ". That leaves ", ": ", ", leaving ")
-            sum_ = f"{count} - {n} = {new}"
+            equation = f"{count} - {n} = {new}"
         if not opener:
             clause = clause[0].upper() + clause[1:]
         end = _say(rng, ".", f" {item}.", " in all.", " now.")
-        working.append(f"{opener}{clause}{link}{sum_}{end}")
+        working.append(f"{opener}{clause}{link}{equation}{end}")
         count = new
     final = _say(rng, f" So {name} has {count}.", f" The answer is {count}.", "")
     asked = ", ".join(question[:-1]) + " and " + question[-1]

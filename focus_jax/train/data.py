@@ -57,7 +57,8 @@ class TaskSource:
 
     With ``trim_multiple`` (the block size, say), batch ``i`` holds examples of task
     ``i mod tasks`` only and is as long as its longest pair rounded up to that multiple, not
-    ``length``: tasks with short answers are not padded to the longest task's length.
+    ``length``: tasks with short answers are not padded to the longest task's length. The
+    training step then compiles once per distinct length (a few multiples of the block size).
     """
 
     def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
