@@ -12,19 +12,22 @@ tokenizer files) that `focus_jax.load` reads; checkpoints/focus-tiny is a copy o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
 from flax import nnx
 
+import focus_jax
 from focus_jax import evaluate, tasks
 from focus_jax.config import ModelConfig
 from focus_jax.model import Model
 from focus_jax.models.params import save_safetensors
 from focus_jax.models.qwen3 import Decoder
-from focus_jax.train import TaskSource, TrainConfig, train
+from focus_jax.train import Prefetch, TaskSource, TrainConfig, train
 from focus_jax.train.tokenizer import train_bpe
 
 
@@ -45,13 +48,13 @@ def geometry(tokenizer, block_size: int, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def export(model: Model, folder: Path) -> None:
-    """A Hugging Face style folder in bfloat16: config, safetensors shards, tokenizer."""
+def export(model: Model, folder: Path, dtype: str = "bfloat16") -> None:
+    """A Hugging Face style folder in ``dtype``: config, safetensors shards, tokenizer."""
     if folder.exists():
         shutil.rmtree(folder)
-    config = model.config.replace(dtype="bfloat16")
+    config = model.config.replace(dtype=dtype)
     graphdef, state = nnx.split(model.module())
-    state = nnx.map_state(lambda _, v: v.astype("bfloat16"), state)
+    state = nnx.map_state(lambda _, v: v.astype(dtype), state)
     save_safetensors(nnx.merge(graphdef, state), folder)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     model.tokenizer.save_pretrained(str(folder))
@@ -79,24 +82,40 @@ def main() -> None:
     parser.add_argument("--task-per-batch", action="store_true",
                         help="one task per batch, trimmed to its longest pair (less padding)")
     parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="continue from this model folder (its weights, geometry and "
+                             "tokenizer) with a fresh optimizer, instead of a new model")
+    parser.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 1) // 2),
+                        help="processes generating batches ahead (0: in the training process)")
+    parser.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="float32 keeps full precision for a later --init")
     args = parser.parse_args()
 
     task_names = tuple(args.tasks.split(","))
-    tokenizer = build_tokenizer(task_names)
-    overrides = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
-                     head_dim=32) if args.small else {}
-    cfg = geometry(tokenizer, args.block_size, **{"num_layers": args.num_layers, **overrides})
-    model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
-                               (tokenizer.eos_token_id,))
-    print(f"parameters: {cfg.num_params / 1e6:.2f}M, vocab {cfg.vocab_size}")
+    if args.init:
+        model = focus_jax.load(args.init)
+        if model.config.block_size != args.block_size:
+            parser.error(f"--block-size {args.block_size} differs from {args.init}'s "
+                         f"{model.config.block_size}")
+    else:
+        tokenizer = build_tokenizer(task_names)
+        overrides = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
+                         head_dim=32) if args.small else {}
+        cfg = geometry(tokenizer, args.block_size, **{"num_layers": args.num_layers, **overrides})
+        model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
+                                   (tokenizer.eos_token_id,))
+    print(f"parameters: {model.config.num_params / 1e6:.2f}M, vocab {model.config.vocab_size}")
     source = TaskSource(model, args.batch_size, args.seq_len, task_names=task_names,
                         trim_multiple=args.block_size if args.task_per_batch else None)
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,
                             truncate_prob=args.truncate_prob, stale_prob=args.stale_prob)
-    trained = train(model, source, train_cfg, args.out / "run", resume=True)
-    export(trained, args.out / "focus-tiny")
+    with contextlib.ExitStack() as stack:
+        if args.workers:
+            source = stack.enter_context(Prefetch(source, args.workers))
+        trained = train(model, source, train_cfg, args.out / "run", resume=True)
+    export(trained, args.out / "focus-tiny", args.export_dtype)
     if args.eval_per_task:
         reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task, tasks=task_names),
                                     max_batch=128, max_new_tokens=args.eval_max_new_tokens)

@@ -60,7 +60,7 @@ def test_loss_ignores_prompt_tokens_and_padding_mask_is_respected():
 def test_batched_pair_encoding_equals_one_prompt_at_a_time():
     model = tiny_model(tokenizer=True, block_size=8)
     examples = tasks.held_out(3)
-    pairs = encode_pairs(model, [e.question for e in examples], [e.answer for e in examples], 160)
+    pairs = encode_pairs(model.tokenizer, [e.question for e in examples], [e.answer for e in examples], 160)
     eos = model.tokenizer.eos_token_id
     for example, (ids, start) in zip(examples, pairs, strict=True):
         prompt = encode_prompt(model, example.question)
@@ -69,7 +69,7 @@ def test_batched_pair_encoding_equals_one_prompt_at_a_time():
         assert ids[start:start + len(response)] == response
         assert ids[start + len(response):] == [eos] * (160 - start - len(response))
     # A pair that does not fit is None, not cut.
-    assert encode_pairs(model, ["Copy: a b c"], ["a b c"], 4) == [None]
+    assert encode_pairs(model.tokenizer, ["Copy: a b c"], ["a b c"], 4) == [None]
 
 
 def test_held_out_questions_never_appear_in_training_batches():
@@ -97,7 +97,7 @@ def test_batches_of_one_task_are_trimmed_to_the_block_multiple_they_need():
         assert tokens.shape[1] % 8 == 0 and tokens.shape[1] < 120
         # Nothing but EOS padding is cut, and every pair keeps its own EOS.
         examples = [trimmed.example(i, task) for i in range(index * 8, index * 8 + 8)]
-        reference = encode_pairs(model, [e.question for e in examples],
+        reference = encode_pairs(model.tokenizer, [e.question for e in examples],
                                  [e.answer for e in examples], 120)
         for row, (ids, start) in zip(tokens, reference, strict=True):
             assert row.tolist() == ids[:tokens.shape[1]]
@@ -151,3 +151,19 @@ def test_bad_pair_file_is_a_clear_error(tmp_path):
     bad.write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="'prompt' and 'response'"):
         PairSource(tiny_model(tokenizer=True), bad, batch_size=2, length=16)
+
+
+def test_prefetched_batches_equal_the_source_in_any_order():
+    from focus_jax.train import Prefetch
+    model = tiny_model(tokenizer=True, block_size=8)
+    source = TaskSource(model, batch_size=4, length=120, task_names=("copy", "add"),
+                        trim_multiple=8)
+    with Prefetch(source, workers=2, depth=3) as ahead:
+        # In order, then a jump back (a resumed run) and a jump forward past the window.
+        for index in [0, 1, 2, 3, 1, 9]:
+            tokens, trainable = ahead.batch(index)
+            expected_tokens, expected_trainable = source.batch(index)
+            np.testing.assert_array_equal(tokens, expected_tokens)
+            np.testing.assert_array_equal(trainable, expected_trainable)
+    with pytest.raises(ValueError, match="workers"):
+        Prefetch(source, workers=0)

@@ -7,8 +7,10 @@ batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,12 +26,11 @@ class BatchSource(Protocol):
         ...
 
 
-def encode_pairs(model: Model, prompts: Sequence[str], responses: Sequence[str],
+def encode_pairs(tokenizer: Any, prompts: Sequence[str], responses: Sequence[str],
                  length: int) -> list[tuple[list[int], int] | None]:
     """Each pair as prompt (chat template) + response + EOS padding to ``length``, with where the
     response starts; None for a pair that does not fit. One batched tokenizer call per side:
     the same ids as ``encode_prompt`` gives one prompt at a time, several times faster."""
-    tokenizer = model.tokenizer
     if getattr(tokenizer, "chat_template", None):
         texts = tokenizer.apply_chat_template([[{"role": "user", "content": p}] for p in prompts],
                                               add_generation_prompt=True, tokenize=False)
@@ -63,7 +64,9 @@ class TaskSource:
 
     def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
                  task_names: tuple[str, ...] = tasks.SUITE, trim_multiple: int | None = None):
-        self.model, self.batch_size, self.length, self.seed = model, batch_size, length, seed
+        # The tokenizer, not the model: the source is sent to ``Prefetch``'s worker processes.
+        self.tokenizer = model.tokenizer
+        self.batch_size, self.length, self.seed = batch_size, length, seed
         self.task_names, self.trim_multiple = task_names, trim_multiple
 
     def example(self, index: int, task: str | None = None) -> tasks.Example:
@@ -79,18 +82,68 @@ class TaskSource:
         start = index * self.batch_size
         task = self.task_names[index % len(self.task_names)] if self.trim_multiple else None
         examples = [self.example(i, task) for i in range(start, start + self.batch_size)]
-        pairs = encode_pairs(self.model, [e.question for e in examples],
+        pairs = encode_pairs(self.tokenizer, [e.question for e in examples],
                              [e.answer for e in examples], self.length)
         for example, pair in zip(examples, pairs, strict=True):
             if pair is None:
                 raise ValueError(f"sequence length {self.length} is too short for {example}")
         if not self.trim_multiple:
             return _pack(pairs, self.length)
-        eos = self.model.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id
         # Each pair ends with one EOS of its own before the padding (EOS too).
         longest = max(len(ids) - _trailing(ids, eos) + 1 for ids, _ in pairs)
         keep = min(-(-longest // self.trim_multiple) * self.trim_multiple, self.length)
         return _pack([(ids[:keep], begin) for ids, begin in pairs], keep)
+
+
+_worker_source: BatchSource | None = None
+
+
+def _start_worker(source: BatchSource) -> None:
+    global _worker_source
+    _worker_source = source
+
+
+def _worker_batch(index: int) -> tuple[np.ndarray, np.ndarray]:
+    assert _worker_source is not None
+    return _worker_source.batch(index)
+
+
+class Prefetch:
+    """``source``'s batches computed ahead in ``workers`` processes: the same batches (a batch
+    is a function of its index), while the accelerator runs the current step.
+
+    Generating and tokenizing a batch of worked answers takes tens of milliseconds of Python,
+    as long as a small model's training step; one process would leave the accelerator waiting.
+    The workers are spawned (not forked: the parent runs JAX's threads) and get the source
+    once; use as a context manager, or call ``close``.
+    """
+
+    def __init__(self, source: BatchSource, workers: int, depth: int | None = None):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.depth = depth or 2 * workers
+        self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
+                                         initializer=_start_worker, initargs=(source,))
+        self._pending: dict[int, Future] = {}
+
+    def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        for stale in [i for i in self._pending if not index <= i < index + self.depth]:
+            self._pending.pop(stale).cancel()
+        for ahead in range(index, index + self.depth):
+            if ahead not in self._pending:
+                self._pending[ahead] = self._pool.submit(_worker_batch, ahead)
+        return self._pending.pop(index).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+        self._pending.clear()
+
+    def __enter__(self) -> Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _trailing(ids: list[int], value: int) -> int:
@@ -119,7 +172,7 @@ class PairSource:
                 raise ValueError(f"{path}:{number}: each line must be a JSON object with "
                                  f"'prompt' and 'response'")
             records.append(record)
-        encoded = encode_pairs(model, [r["prompt"] for r in records],
+        encoded = encode_pairs(model.tokenizer, [r["prompt"] for r in records],
                                [r["response"] for r in records], length) if records else []
         self.pairs = [pair for pair in encoded if pair is not None]
         self.dropped = len(encoded) - len(self.pairs)

@@ -103,8 +103,11 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
     began = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc="train")
     step = start
+    waited = 0.0  # seconds spent getting batches since the last log record
     while step < cfg.steps:
+        asked = time.perf_counter()
         tokens, trainable = source.batch(step)
+        waited += time.perf_counter() - asked
         params, opt_state, metrics = _train_step(
             model.graphdef, tx, cfg.block_size, static, params, opt_state, tokens, trainable,
             jax.random.fold_in(base_key, step))
@@ -112,7 +115,9 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             record = {"step": step, **{k: float(v) for k, v in metrics.items()},
-                      "seconds": round(time.perf_counter() - began, 2)}
+                      "seconds": round(time.perf_counter() - began, 2),
+                      "data_seconds": round(waited, 3)}
+            waited = 0.0
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['masked_accuracy']:.3f}")
