@@ -167,3 +167,22 @@ def test_prefetched_batches_equal_the_source_in_any_order():
             np.testing.assert_array_equal(trainable, expected_trainable)
     with pytest.raises(ValueError, match="workers"):
         Prefetch(source, workers=0)
+
+
+def test_embedding_gradient_is_the_one_hot_gradient_summed_in_float32():
+    from focus_jax.models.qwen3 import embedding_lookup
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(7, 5)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 7, size=(3, 11)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(3, 11, 5)), jnp.float32)
+    np.testing.assert_array_equal(embedding_lookup(table, tokens), table[tokens])
+    ours = jax.grad(lambda t: (embedding_lookup(t, tokens) * weights).sum())(table)
+    one_hot = jax.grad(lambda t: ((jax.nn.one_hot(tokens, 7) @ t) * weights).sum())(table)
+    np.testing.assert_allclose(ours, one_hot, rtol=1e-5, atol=1e-5)
+    # 1,000 unit gradients into one bfloat16 row: a bfloat16 running sum stops at 256.
+    table16 = jnp.zeros((4, 3), jnp.bfloat16)
+    same = jnp.zeros((1000,), jnp.int32)
+    grad16 = jax.grad(lambda t: embedding_lookup(t, same).astype(jnp.float32).sum())(table16)
+    assert grad16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grad16, np.float32),
+                                  [[1000.0] * 3, [0.0] * 3, [0.0] * 3, [0.0] * 3])
