@@ -1,4 +1,4 @@
-"""Training throughput of the bundled model's geometry on one accelerator (docs/quality.md).
+"""Training throughput of the worked-suite models' geometry on one accelerator (docs/training.md).
 
     python scripts/benchmark_training.py --batches 128,256,512 --length 128 --json out.json
 

@@ -6,7 +6,9 @@ at its time limit after 4,950 steps):
     python scripts/train_bundled.py --out /tmp/bundle --steps 8000 --max-seconds 320
 
 The result folder is a Hugging Face style folder (config.json, safetensors shards of <= 15 MB,
-tokenizer files) that `focus_jax.load` reads; checkpoints/focus-tiny is a copy of it.
+tokenizer files) that `focus_jax.load` reads; checkpoints/focus-tiny is a copy of it. The runs
+on the worked suite (`--tasks worked_copy,...,story`, `--init` to continue one) and their
+commands are in docs/quality.md.
 """
 
 from __future__ import annotations

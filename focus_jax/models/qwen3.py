@@ -126,8 +126,8 @@ def embedding_lookup(table: Float[Array, "v e"], tokens: Int[Array, "..."]) -> F
     """``table[tokens]``, with the table's gradient summed in float32.
 
     That gradient adds one row per token into the table. In bfloat16, XLA on GPUs adds with a
-    compare-and-swap loop, which serialises on rows many tokens share: with the bundled model's
-    384-token vocabulary it took 97 ms of a 131 ms training step on an H200 (docs/quality.md).
+    compare-and-swap loop, which serialises on rows many tokens share: with a 384-token
+    vocabulary it took 97 ms of a 131 ms training step on an H200 (docs/training.md).
     Float32 adds are native atomics, and do not lose small terms to a large running sum.
     """
     return jnp.take(table, tokens, axis=0)
