@@ -2,8 +2,8 @@
 
     python scripts/benchmark_training.py --batches 128,256,512 --length 128 --json out.json
 
-For each batch size: the median seconds of one jit-compiled training step (with the bundled
-recipe's truncated and stale views) over ``--steps`` steps after a warm-up, on random tokens of
+For each batch size: the median seconds of one jit-compiled training step (with the worked-suite
+runs' truncated and stale views) over ``--steps`` steps after a warm-up, on random tokens of
 which the second half of each row is trainable, and the sequences per second that makes. Then
 the seconds the host takes to build one batch of worked answers (``TaskSource.batch``), the work
 that ``Prefetch`` moves to other processes.
