@@ -84,13 +84,15 @@ def _say(rng: random.Random, *options: str) -> str:
     return rng.choice(options)
 
 
-def _walk(rng: random.Random, items: list[str], first: tuple[str, ...]) -> str:
-    """``items`` in order, after one of the ``first`` openings, each joined to the one before by a
-    connector of random length: where an item lands depends on every earlier choice."""
+def _walked_answer(rng: random.Random, items: list[str], first: tuple[str, ...]) -> str:
+    """The answer of a list task: ``items`` in order, after one of the ``first`` openings, each
+    joined to the one before by a connector of random length (where an item lands depends on
+    every earlier choice), then the final answer."""
     text = _say(rng, *first) + items[0]
     for item in items[1:]:
         text += _say(rng, ", then ", ", next ", " and then ", ", ", "; after it ") + item
-    return text + _say(rng, ".", ". Done.", ", the end.", ".")  # a plain "." two times in five
+    text += _say(rng, ".", ". Done.", ", the end.", ".")  # a plain "." two times in five
+    return f"{text} {ANSWER_MARK} {' '.join(items)}"
 
 
 # The worked tasks answer with their working in varied words, then the final answer after "####"
@@ -100,24 +102,22 @@ def _walk(rng: random.Random, items: list[str], first: tuple[str, ...]) -> str:
 
 def _worked_copy(rng: random.Random) -> tuple[str, str]:
     letters = _letters(rng, 3, 10)
-    working = _walk(rng, letters, ("Letter by letter: ", "In order: ", "They are ", "First "))
-    return f"Copy: {' '.join(letters)}", f"{working} {ANSWER_MARK} {' '.join(letters)}"
+    return f"Copy: {' '.join(letters)}", _walked_answer(
+        rng, letters, ("Letter by letter: ", "In order: ", "They are ", "First "))
 
 
 def _worked_reverse(rng: random.Random) -> tuple[str, str]:
     letters = _letters(rng, 3, 8)
-    back = letters[::-1]
-    working = _walk(rng, back, ("From the end: ", "Backwards: ", "Last first: ", "Starting at "))
-    return f"Reverse: {' '.join(letters)}", f"{working} {ANSWER_MARK} {' '.join(back)}"
+    return f"Reverse: {' '.join(letters)}", _walked_answer(
+        rng, letters[::-1], ("From the end: ", "Backwards: ", "Last first: ", "Starting at "))
 
 
 def _worked_sort(rng: random.Random) -> tuple[str, str]:
     digits = sorted(rng.randint(0, 9) for _ in range(rng.randint(3, 7)))
     shuffled = rng.sample(digits, len(digits))
-    working = _walk(rng, list(map(str, digits)),
-                    ("Smallest first: ", "Going up: ", "In order: ", "From low to high: "))
-    return (f"Sort: {' '.join(map(str, shuffled))}",
-            f"{working} {ANSWER_MARK} {' '.join(map(str, digits))}")
+    return f"Sort: {' '.join(map(str, shuffled))}", _walked_answer(
+        rng, list(map(str, digits)),
+        ("Smallest first: ", "Going up: ", "In order: ", "From low to high: "))
 
 
 def _worked_recall(rng: random.Random) -> tuple[str, str]:
