@@ -26,24 +26,20 @@ from focus_jax import tasks
 from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
 from focus_jax.train import TaskSource, TrainConfig
-from focus_jax.train.trainer import _train_step, optimizer
+from focus_jax.train.trainer import step_and_state
 
 
 def step_seconds(model: Model, batch: int, length: int, steps: int, block_size: int) -> float:
     cfg = TrainConfig(steps=1000, block_size=block_size, truncate_prob=0.25, stale_prob=0.8)
-    tx = optimizer(cfg)
-    params = jax.tree.map(lambda p: jnp.array(p, jnp.float32), nnx.to_pure_dict(model.params))
-    opt_state = tx.init(params)
+    train_step, params, opt_state = step_and_state(model, cfg)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(10, model.config.vocab_size, (batch, length)), jnp.int32)
     trainable = jnp.asarray(np.arange(length)[None, :] >= length // 2).repeat(batch, 0)
-    static = (model.mask_token_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob)
     times = []
     for step in range(steps + 3):  # three warm-up steps (the first compiles)
         start = time.perf_counter()
-        params, opt_state, metrics = _train_step(
-            model.graphdef, tx, block_size, static, params, opt_state, tokens, trainable,
-            jax.random.key(step))
+        params, opt_state, metrics = train_step(params, opt_state, tokens, trainable,
+                                                jax.random.key(step))
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - start)
     return statistics.median(times[3:])

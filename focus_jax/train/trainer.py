@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,18 @@ def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, block_
     return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **metrics}
 
 
+def step_and_state(model: Model, cfg: TrainConfig) -> tuple[Callable[..., Any], Any, Any]:
+    """``(step, params, opt_state)``: the compiled training step as a function of ``(params,
+    opt_state, tokens, trainable, key)`` returning ``(params, opt_state, metrics)``, and the
+    initial float32 copy of the model's parameters (the step donates, so the model keeps its
+    own) with its optimizer state."""
+    tx = optimizer(cfg)
+    params = jax.tree.map(lambda p: jnp.array(p, jnp.float32), nnx.to_pure_dict(model.params))
+    options = (model.mask_token_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob)
+    step = functools.partial(_train_step, model.graphdef, tx, cfg.block_size, options)
+    return step, params, tx.init(params)
+
+
 def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Path, *,
           resume: bool = True, progress: bool = True) -> Model:
     """Train ``model`` on ``source``; checkpoints (and ``log.jsonl``) go to ``out_dir``, the
@@ -83,10 +96,7 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
     """
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    tx = optimizer(cfg)
-    # A copy: the training step donates (overwrites) its parameters, the model keeps its own.
-    params = jax.tree.map(lambda p: jnp.array(p, jnp.float32), nnx.to_pure_dict(model.params))
-    opt_state = tx.init(params)
+    train_step, params, opt_state = step_and_state(model, cfg)
     manager = ocp.CheckpointManager(out / "train_state",
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
@@ -96,8 +106,6 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
         restored = manager.restore(start, args=ocp.args.StandardRestore(target))
         params, opt_state = restored["params"], restored["opt_state"]
 
-    mask_id = model.mask_token_id
-    static = (mask_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob)
     base_key = jax.random.key(cfg.seed)
     log = (out / "log.jsonl").open("a")
     began = time.perf_counter()
@@ -108,9 +116,8 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
         asked = time.perf_counter()
         tokens, trainable = source.batch(step)
         waited += time.perf_counter() - asked
-        params, opt_state, metrics = _train_step(
-            model.graphdef, tx, cfg.block_size, static, params, opt_state, tokens, trainable,
-            jax.random.fold_in(base_key, step))
+        params, opt_state, metrics = train_step(params, opt_state, tokens, trainable,
+                                                jax.random.fold_in(base_key, step))
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
