@@ -81,6 +81,9 @@ def main() -> None:
                         help="share of blocks trained with a truncated in-block view (FOCUS)")
     parser.add_argument("--stale-prob", type=float, default=0.0,
                         help="share of blocks trained with the delayed KV cache's stale views")
+    parser.add_argument("--delayed-prob", type=float, default=0.0,
+                        help="share of sequences trained with the delayed KV cache's views, "
+                             "the history's included")
     parser.add_argument("--task-per-batch", action="store_true",
                         help="one task per batch, trimmed to its longest pair (less padding)")
     parser.add_argument("--small", action="store_true", help="a tiny geometry for smoke tests")
@@ -112,7 +115,8 @@ def main() -> None:
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,
-                            truncate_prob=args.truncate_prob, stale_prob=args.stale_prob)
+                            truncate_prob=args.truncate_prob, stale_prob=args.stale_prob,
+                            delayed_prob=args.delayed_prob)
     with contextlib.ExitStack() as stack:
         if args.workers:
             source = stack.enter_context(Prefetch(source, args.workers))

@@ -11,7 +11,7 @@ from focus_jax.api import encode_prompt
 from focus_jax.testing import tiny_model
 from focus_jax.train import TaskSource, TrainConfig, block_diffusion_mask, train
 from focus_jax.train.data import encode_pairs
-from focus_jax.train.objective import loss
+from focus_jax.train.objective import frozen_by_delayed_cache, loss
 
 
 def test_block_diffusion_mask_by_hand():
@@ -44,6 +44,42 @@ def test_stale_view_hides_the_block_beyond_the_next_slot_from_unmasked_queries()
     losses = [float(loss(model.module(), tokens, jnp.ones((2, 8), bool), jax.random.key(1), 4, 2,
                          stale_prob=p)[0]) for p in (0.0, 1.0)]
     assert losses[0] != losses[1]  # the option reaches the model's attention
+
+
+def test_delayed_cache_freezes_unmasked_slots_whose_next_slot_is_unmasked_or_last():
+    m = 2
+    noisy = jnp.array([[7, m, 8, 9, m, 5, m, m]])
+    frozen = frozen_by_delayed_cache(noisy, 4, m)
+    assert frozen[0].tolist() == [False, False, True, True, False, False, False, False]
+
+
+def test_stale_history_hides_the_clean_block_beyond_the_next_slot():
+    stale_history = jnp.array([[True, True, True, True, False, False]])
+    mask = np.asarray(block_diffusion_mask(6, 3, stale_history=stale_history))[0]
+    clean = slice(6, 12)
+    assert mask[6 + 0, clean].tolist() == [True, True, False, False, False, False]
+    assert mask[6 + 3, clean].tolist() == [True, True, True, True, True, False]
+    assert mask[6 + 4, clean].tolist() == [True] * 6             # not stale: its whole block
+    plain = np.asarray(block_diffusion_mask(6, 3))
+    np.testing.assert_array_equal(mask[:6], plain[:6])          # the noisy copy is unchanged
+
+
+def test_delayed_views_leave_other_options_random_streams_alone():
+    model = tiny_model(tokenizer=True, block_size=4)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(5, 100, size=(2, 8)), jnp.int32)
+    trainable = jnp.ones((2, 8), bool)
+
+    def value(**options):
+        return float(loss(model.module(), tokens, trainable, jax.random.key(1), 4, 2,
+                          truncate_prob=0.5, stale_prob=0.5, **options)[0])
+
+    assert value(delayed_prob=0.0) == value()
+    assert value(delayed_prob=1.0) != value()  # the option reaches the model's attention
+
+
+def test_probabilities_outside_zero_one_are_refused():
+    with pytest.raises(ValueError, match="delayed_prob"):
+        TrainConfig(delayed_prob=1.5)
 
 
 def test_loss_ignores_prompt_tokens_and_padding_mask_is_respected():

@@ -33,6 +33,16 @@ token sees the noisy tokens of its block only up to the next slot; masked tokens
 step at inference) see the whole block. An approximation for left-to-right decoding: at
 inference the frozen token also saw the mask tokens to its right (and any token decoded out of
 order), which this view hides.
+
+And ``delayed_prob``: with that probability a whole sequence is trained with the views of the
+delayed KV cache, following its caching rule: in the noisy copy, the unmasked tokens the cache
+would have frozen (the block's last slot, or a slot whose next slot is unmasked too) see their
+block only up to the next slot, while a decoded token right before a mask (live at inference)
+sees the whole block; in the clean copy, every token sees its block only up to the next slot.
+The clean copy is the history of the next blocks, and under the delayed cache the history is
+stale too: the commit step re-runs only the slots not yet frozen, so a committed block keeps
+the keys and values its tokens were frozen with. (Hiding the slots beyond the next one is the
+same left-to-right approximation as above.)
 """
 
 from __future__ import annotations
@@ -52,25 +62,32 @@ def within_cutoff(length: int, block_size: int,
 
 def block_diffusion_mask(length: int, block_size: int,
                          cutoff: Int[Array, "... blocks"] | None = None,
-                         stale: Bool[Array, "... l"] | None = None) -> Bool[Array, "... 2l 2l"]:
+                         stale: Bool[Array, "... l"] | None = None,
+                         stale_history: Bool[Array, "... l"] | None = None
+                         ) -> Bool[Array, "... 2l 2l"]:
     """Attention mask over ``[noisy copy, clean copy]``: True where a query sees a key.
 
     ``cutoff`` (per block, optionally batched): noisy keys past that slot of their block are
     hidden from the block's noisy queries. ``stale`` (per position): these noisy queries see the
-    noisy keys of their block only up to their own slot + 1.
+    noisy keys of their block only up to their own slot + 1. ``stale_history`` (per position):
+    the same for these clean queries over the clean keys of their block.
     """
     block = jnp.arange(length) // block_size
+    position = jnp.arange(length)
+    beyond_next = position[None, :] > position[:, None] + 1
+
+    def up_to_next_slot(part: Array, queries: Array | None) -> Array:
+        # Keys right of the next slot in the same block (later blocks are hidden already).
+        return part if queries is None else part & ~(queries[..., :, None] & beyond_next)
+
     noisy_to_noisy = block[:, None] == block[None, :]
     if cutoff is not None:
         noisy_to_noisy = noisy_to_noisy & within_cutoff(length, block_size, cutoff)[..., None, :]
-    if stale is not None:
-        position = jnp.arange(length)
-        beyond_next = position[None, :] > position[:, None] + 1
-        noisy_to_noisy = noisy_to_noisy & ~(stale[..., :, None] & beyond_next)
+    noisy_to_noisy = up_to_next_slot(noisy_to_noisy, stale)
     noisy_to_clean = block[None, :] < block[:, None]
-    clean_to_clean = block[None, :] <= block[:, None]
+    clean_to_clean = up_to_next_slot(block[None, :] <= block[:, None], stale_history)
     never = jnp.zeros((length, length), bool)
-    batch = noisy_to_noisy.shape[:-2]
+    batch = jnp.broadcast_shapes(noisy_to_noisy.shape[:-2], clean_to_clean.shape[:-2])
 
     def full(part: Array) -> Array:
         return jnp.broadcast_to(part, (*batch, length, length))
@@ -91,9 +108,19 @@ def noise(tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array, 
     return jnp.where(masked, mask_token_id, tokens), masked, t
 
 
+def frozen_by_delayed_cache(noisy: Int[Array, "b l"], block_size: int,
+                            mask_token_id: int) -> Bool[Array, "b l"]:
+    """Unmasked slots that the delayed KV cache would have frozen (SPEC_FOCUS 5): the last slot
+    of a block, or a slot whose next slot is unmasked too."""
+    b, length = noisy.shape
+    unmasked = (noisy != mask_token_id).reshape(b, length // block_size, block_size)
+    next_unmasked = jnp.pad(unmasked[..., 1:], ((0, 0), (0, 0), (0, 1)), constant_values=True)
+    return (unmasked & next_unmasked).reshape(b, length)
+
+
 def loss(model: Decoder, tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"], key: Array,
-         block_size: int, mask_token_id: int,
-         truncate_prob: float = 0.0, stale_prob: float = 0.0) -> tuple[Float[Array, ""], dict[str, Array]]:
+         block_size: int, mask_token_id: int, truncate_prob: float = 0.0, stale_prob: float = 0.0,
+         delayed_prob: float = 0.0) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The block-diffusion loss of a batch, and metrics (masked-token accuracy, masked count)."""
     b, length = tokens.shape
     if length % block_size:
@@ -101,7 +128,7 @@ def loss(model: Decoder, tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"
     noise_key, cut_key, pick_key, stale_key = jax.random.split(key, 4)
     noisy, masked, t = noise(tokens, trainable, noise_key, block_size, mask_token_id)
     blocks = length // block_size
-    cutoff = stale = None
+    cutoff = stale = stale_history = None
     if truncate_prob > 0:
         cutoff = jax.random.randint(cut_key, (b, blocks), 0, block_size)
         truncated = jax.random.uniform(pick_key, (b, blocks)) < truncate_prob
@@ -110,7 +137,13 @@ def loss(model: Decoder, tokens: Int[Array, "b l"], trainable: Bool[Array, "b l"
     if stale_prob > 0:
         stale_block = jax.random.uniform(stale_key, (b, blocks)) < stale_prob
         stale = jnp.repeat(stale_block, block_size, axis=1) & (noisy != mask_token_id)
-    mask = block_diffusion_mask(length, block_size, cutoff, stale)
+    if delayed_prob > 0:
+        # Its own key, folded in, so that runs without the option keep their random streams.
+        delayed = jax.random.uniform(jax.random.fold_in(key, 5), (b, 1)) < delayed_prob
+        frozen = delayed & frozen_by_delayed_cache(noisy, block_size, mask_token_id)
+        stale = frozen if stale is None else stale | frozen
+        stale_history = jnp.broadcast_to(delayed, (b, length))
+    mask = block_diffusion_mask(length, block_size, cutoff, stale, stale_history)
     inputs = jnp.concatenate([noisy, tokens], axis=1)
     positions = jnp.broadcast_to(jnp.tile(jnp.arange(length), 2), inputs.shape)
     hidden, _ = forward_hidden(model, inputs, positions, mask)

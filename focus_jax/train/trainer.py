@@ -37,6 +37,9 @@ class TrainConfig:
     """Probability of a truncated in-block view per block (see ``objective``)."""
     stale_prob: float = 0.0
     """Probability of a block trained with the delayed KV cache's stale views (``objective``)."""
+    delayed_prob: float = 0.0
+    """Probability of a sequence trained with the delayed KV cache's views, the history's
+    included (``objective``)."""
     seed: int = 0
     log_every: int = 50
     checkpoint_every: int = 500
@@ -48,6 +51,9 @@ class TrainConfig:
             raise ValueError("steps >= 1, warmup_steps >= 0 and learning_rate > 0 are required")
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise ValueError("compute_dtype must be 'bfloat16' or 'float32'")
+        for name in ("truncate_prob", "stale_prob", "delayed_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -60,14 +66,14 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
 def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, block_size: int,
-                options: tuple[int, str, float, float], params: Any, opt_state: Any,
+                options: tuple[int, str, float, float, float], params: Any, opt_state: Any,
                 tokens: jax.Array, trainable: jax.Array, key: jax.Array):
-    mask_token_id, compute_dtype, truncate_prob, stale_prob = options
+    mask_token_id, compute_dtype, truncate_prob, stale_prob, delayed_prob = options
 
     def objective(params):
         cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         return loss(nnx.merge(graphdef, cast), tokens, trainable, key, block_size, mask_token_id,
-                    truncate_prob, stale_prob)
+                    truncate_prob, stale_prob, delayed_prob)
 
     (value, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -82,7 +88,8 @@ def step_and_state(model: Model, cfg: TrainConfig) -> tuple[Callable[..., Any], 
     own) with its optimizer state."""
     tx = optimizer(cfg)
     params = jax.tree.map(lambda p: jnp.array(p, jnp.float32), nnx.to_pure_dict(model.params))
-    options = (model.mask_token_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob)
+    options = (model.mask_token_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob,
+               cfg.delayed_prob)
     step = functools.partial(_train_step, model.graphdef, tx, cfg.block_size, options)
     return step, params, tx.init(params)
 
