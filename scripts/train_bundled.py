@@ -92,6 +92,9 @@ def main() -> None:
                              "tokenizer) with a fresh optimizer, instead of a new model")
     parser.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 1) // 2),
                         help="processes generating batches ahead (0: in the training process)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the training stream and of the noise (held-out questions "
+                             "are never trained on, whatever the seed)")
     parser.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="float32 keeps full precision for a later --init")
     args = parser.parse_args()
@@ -110,13 +113,13 @@ def main() -> None:
         model = Model.from_decoder(Decoder(cfg, rngs=nnx.Rngs(0)), tokenizer,
                                    (tokenizer.eos_token_id,))
     print(f"parameters: {model.config.num_params / 1e6:.2f}M, vocab {model.config.vocab_size}")
-    source = TaskSource(model, args.batch_size, args.seq_len, task_names=task_names,
+    source = TaskSource(model, args.batch_size, args.seq_len, seed=args.seed, task_names=task_names,
                         trim_multiple=args.block_size if args.task_per_batch else None)
     train_cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate,
                             warmup_steps=min(200, args.steps // 10), block_size=args.block_size,
                             max_seconds=args.max_seconds, checkpoint_every=1000, log_every=100,
                             truncate_prob=args.truncate_prob, stale_prob=args.stale_prob,
-                            delayed_prob=args.delayed_prob)
+                            delayed_prob=args.delayed_prob, seed=args.seed)
     with contextlib.ExitStack() as stack:
         if args.workers:
             source = stack.enter_context(Prefetch(source, args.workers))
