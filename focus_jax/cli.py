@@ -12,8 +12,10 @@ from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigEr
 from focus_jax.engine import RequestError, RunStats
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tiny"
-DEMO_PROMPTS = ("Add: 358+427", "Reverse: f o c u s", "Ana has 12 apples and gets 9 more. "
-                "How many apples does Ana have?")
+# Held-out questions (tests check that the training stream never yields them).
+DEMO_PROMPTS = ("Add: 257+468", "Reverse: p a l l a s",
+                "Ana has 12 apples, gets 9 more, gives away 6 and gets 3 more. "
+                "How many apples does Ana have now?")
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -325,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.set_defaults(func=cmd_train)
 
-    demo = sub.add_parser("demo", help="generate for two sample prompts with the default model")
+    demo = sub.add_parser("demo", help="generate for three held-out prompts with the default model")
     demo.add_argument("--model", type=Path, default=None)
-    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.set_defaults(func=cmd_demo)
     return parser
 

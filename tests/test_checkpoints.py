@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -55,6 +56,29 @@ def test_sharded_safetensors_with_index_load(hf_folder):
     model = focus_jax.load(hf_folder, dtype="float32")
     expected = np.load(FIXTURE / "reference_logits.npz")["logits_b4"]
     assert np.abs(np.asarray(model.logits(tokens(), 4)) - expected).max() <= 1e-4
+
+
+def test_safetensors_reader_equals_the_safetensors_library(tmp_path):
+    import ml_dtypes
+    from safetensors.flax import load_file as load_flax
+    from safetensors.flax import save_file as save_flax
+
+    from focus_jax.models.params import read_safetensors
+
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b": np.arange(7, dtype=np.int64),
+              "c": rng.normal(size=(2, 2, 4)).astype(ml_dtypes.bfloat16), "d": np.float16(1.5)}
+    save_flax({k: jnp.asarray(v) for k, v in arrays.items()}, str(tmp_path / "m.safetensors"))
+    ours = read_safetensors(tmp_path / "m.safetensors")
+    theirs = load_flax(str(tmp_path / "m.safetensors"))
+    assert sorted(ours) == sorted(theirs) == sorted(arrays)
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and ours[key].shape == value.shape, key
+        np.testing.assert_array_equal(ours[key], np.asarray(value))
+    whole = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[:-8])
+    with pytest.raises(ConfigError, match="truncated"):
+        read_safetensors(tmp_path / "cut.safetensors")
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
