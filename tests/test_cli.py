@@ -57,3 +57,27 @@ def test_eval_unknown_task_is_an_error_message(model_dir, capsys):
     code = main(["eval", "--model", str(model_dir), "--tasks", "copy,nope"])
     _, err = capsys.readouterr()
     assert code == 2 and "unknown task" in err and "Traceback" not in err
+
+
+def test_demo_prompts_are_held_out_questions():
+    from focus_jax import tasks
+    from focus_jax.cli import DEMO_PROMPTS
+
+    assert all(tasks.is_held_out(prompt) for prompt in DEMO_PROMPTS)
+
+
+def test_demo_answers_its_prompts_with_the_bundled_model(capsys):
+    from focus_jax.cli import BUNDLED_MODEL, DEMO_PROMPTS
+
+    shards = list(BUNDLED_MODEL.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in BUNDLED_MODEL.iterdir()) <= 40 << 20
+    assert shards and all(f.stat().st_size <= 16 << 20 for f in shards)
+    assert main(["demo"]) == 0
+    out, _ = capsys.readouterr()
+    answers = [line.rsplit("####", 1)[1].strip() for line in out.splitlines() if "####" in line]
+    # The demo's questions, answered here by their own arithmetic.
+    add, reverse, story = DEMO_PROMPTS
+    a, b = add.removeprefix("Add: ").split("+")
+    letters = reverse.removeprefix("Reverse: ").split()
+    assert "12 apples, gets 9 more, gives away 6 and gets 3 more" in story
+    assert answers == [str(int(a) + int(b)), " ".join(reversed(letters)), str(12 + 9 - 6 + 3)]
