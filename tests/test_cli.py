@@ -67,6 +67,7 @@ def test_demo_prompts_are_held_out_questions():
 
 
 def test_demo_answers_its_prompts_with_the_bundled_model(capsys):
+    from focus_jax import tasks
     from focus_jax.cli import BUNDLED_MODEL, DEMO_PROMPTS
 
     shards = list(BUNDLED_MODEL.glob("*.safetensors"))
@@ -74,7 +75,7 @@ def test_demo_answers_its_prompts_with_the_bundled_model(capsys):
     assert shards and all(f.stat().st_size <= 16 << 20 for f in shards)
     assert main(["demo"]) == 0
     out, _ = capsys.readouterr()
-    answers = [line.rsplit("####", 1)[1].strip() for line in out.splitlines() if "####" in line]
+    answers = [tasks.final_answer(line) for line in out.splitlines() if tasks.ANSWER_MARK in line]
     # The demo's questions, answered here by their own arithmetic.
     add, reverse, story = DEMO_PROMPTS
     a, b = add.removeprefix("Add: ").split("+")

@@ -149,8 +149,7 @@ def load_safetensors(folder: Path, cfg: ModelConfig) -> Decoder:
     return _fill(abstract_decoder(cfg), flat, folder)
 
 
-def _fill(model: Decoder, flat: dict[tuple[str, ...], jax.Array | np.ndarray],
-          origin: Path) -> Decoder:
+def _fill(model: Decoder, flat: dict[tuple[str, ...], np.ndarray], origin: Path) -> Decoder:
     graphdef, state = nnx.split(model)
     expected = {path: var for path, var in nnx.to_flat_state(state)}
     missing = sorted(".".join(p) for p in expected if p not in flat)

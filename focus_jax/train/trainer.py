@@ -64,16 +64,26 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b2=0.98, weight_decay=cfg.weight_decay))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
-def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, block_size: int,
-                options: tuple[int, str, float, float, float], params: Any, opt_state: Any,
-                tokens: jax.Array, trainable: jax.Array, key: jax.Array):
-    mask_token_id, compute_dtype, truncate_prob, stale_prob, delayed_prob = options
+@dataclasses.dataclass(frozen=True)
+class _LossOptions:
+    """What the compiled step needs of the model and the config besides the weights (static)."""
+    block_size: int
+    mask_token_id: int
+    compute_dtype: str
+    truncate_prob: float
+    stale_prob: float
+    delayed_prob: float
 
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, options: _LossOptions,
+                params: Any, opt_state: Any, tokens: jax.Array, trainable: jax.Array,
+                key: jax.Array):
     def objective(params):
-        cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-        return loss(nnx.merge(graphdef, cast), tokens, trainable, key, block_size, mask_token_id,
-                    truncate_prob, stale_prob, delayed_prob)
+        cast = jax.tree.map(lambda p: p.astype(options.compute_dtype), params)
+        return loss(nnx.merge(graphdef, cast), tokens, trainable, key, options.block_size,
+                    options.mask_token_id, truncate_prob=options.truncate_prob,
+                    stale_prob=options.stale_prob, delayed_prob=options.delayed_prob)
 
     (value, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -88,9 +98,9 @@ def step_and_state(model: Model, cfg: TrainConfig) -> tuple[Callable[..., Any], 
     own) with its optimizer state."""
     tx = optimizer(cfg)
     params = jax.tree.map(lambda p: jnp.array(p, jnp.float32), nnx.to_pure_dict(model.params))
-    options = (model.mask_token_id, cfg.compute_dtype, cfg.truncate_prob, cfg.stale_prob,
-               cfg.delayed_prob)
-    step = functools.partial(_train_step, model.graphdef, tx, cfg.block_size, options)
+    options = _LossOptions(cfg.block_size, model.mask_token_id, cfg.compute_dtype,
+                           cfg.truncate_prob, cfg.stale_prob, cfg.delayed_prob)
+    step = functools.partial(_train_step, model.graphdef, tx, options)
     return step, params, tx.init(params)
 
 
