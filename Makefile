@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@if [ -z "$(PYTHON_FOR_VENV)" ]; then echo "error: Python >= 3.12 not found (install it, or pyenv install 3.12)"; exit 1; fi
 	@test -x $(PY) || $(PYTHON_FOR_VENV) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,serve]'
 	@touch $(STAMP)
 
 test: $(STAMP)

@@ -1,5 +1,5 @@
 """The ``focus-jax`` command line: ``generate``, ``convert``, ``eval``, ``bench``, ``train``,
-``demo``."""
+``demo``, ``serve``."""
 
 from __future__ import annotations
 
@@ -276,6 +276,56 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_CONTEXT = 4096
+"""The server's default context (cache positions per slot) when the model allows more."""
+
+
+def _ladder(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(f) for f in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--bucket-ladder takes comma-separated fractions such as 0.5,1, got "
+                          f"{text!r}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from focus_jax.engine import AsyncEngine, Engine
+    from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
+    from focus_jax.sharding import make_mesh, parse_mesh
+
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise ConfigError(f"--max-batch must be >= 1 and --max-queue >= 0, got {args.max_batch} "
+                          f"and {args.max_queue}")
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose "
+                          f"another --port or --host") from None
+    mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    model = load_model(args.model, args.dtype, mesh)
+    if model.tokenizer is None:
+        raise ConfigError("the model folder has no tokenizer, which the server needs")
+    positions = model.config.max_position_embeddings
+    context = args.max_model_len or min(positions, SERVE_CONTEXT)
+    if not 1 <= context <= positions:
+        raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
+                          f"max_position_embeddings), got {context}")
+    config = GenerationConfig(mode=args.mode, **(
+        {"bucket_ladder": _ladder(args.bucket_ladder)} if args.bucket_ladder else {}))
+    engine = Engine(model, config, slots=args.max_batch, cache_len=context, mesh=mesh)
+    name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
+    print(f"focus-jax serve: compiling every program for {args.max_batch} slots x {context} "
+          f"positions, {args.mode} mode ...", file=sys.stderr, flush=True)
+    engine.warmup()
+    app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
+                     ServeSettings(model_name=name, api_key=args.api_key,
+                                   grace_seconds=args.grace_period))
+    host, port = sock.getsockname()[:2]
+    print(f"focus-jax serve: {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    serve(app, sock, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="focus-jax", description=(
         "Block-diffusion language models in JAX with FOCUS eviction."))
@@ -340,6 +390,34 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", type=Path, default=None)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.set_defaults(func=cmd_demo)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    srv.add_argument("--model", type=Path, default=None,
+                     help=f"model folder (default: {BUNDLED_MODEL})")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* requests")
+    srv.add_argument("--mode", choices=MODES, default="focus")
+    srv.add_argument("--max-batch", type=int, default=32, help="slots decoded together")
+    srv.add_argument("--max-queue", type=int, default=256,
+                     help="requests that may wait for a slot; beyond it: 429 with Retry-After")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help=f"prompt + generated tokens per request (cache positions per slot; "
+                          f"default: the model's max_position_embeddings, at most {SERVE_CONTEXT})")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model's name in the API (default: the model folder's name)")
+    srv.add_argument("--bucket-ladder", default=None,
+                     help="compaction bucket sizes as fractions of slots x block, comma-separated "
+                          "(fewer: faster warm-up, more padding)")
+    srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    srv.add_argument("--grace-period", type=float, default=30.0,
+                     help="seconds running requests get to finish on SIGTERM before they are aborted")
+    srv.add_argument("--mesh", default=None,
+                     help="shard over devices: data=D,model=M (slots over data, heads/MLP over model)")
+    srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
+                     default="info")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 
