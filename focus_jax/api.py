@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from jax.sharding import Mesh
 
 from focus_jax.config import ConfigError, GenerationConfig
-from focus_jax.engine import Engine, Result, RunStats, cache_length
+from focus_jax.engine import Engine, Result, RunStats, SamplingParams, cache_length, run_to_completion
 from focus_jax.model import Model
 
 Prompt = str | Sequence[int]
@@ -65,16 +65,17 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
         data = mesh.shape["data"]
         slots = -(-slots // data) * data
     engine = Engine(model, config, slots=slots, cache_len=cache_len or 0, mesh=mesh)
-    rids = [engine.submit(p, on_tokens=_by_index(on_tokens, i)) for i, p in enumerate(ids)]
+    # Request i samples with seed config.seed + i: the same prompt twice gets two draws.
+    rids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
+            for i, p in enumerate(ids)]
+    index = {rid: i for i, rid in enumerate(rids)}
     # Compile first (only the programs these prompts need), so the statistics time the run.
     engine.warmup(prompt_lengths=[len(p) for p in ids])
-    results = engine.run(progress=progress)
+
+    def stream(out) -> None:
+        if on_tokens is not None and out.new_token_ids:
+            on_tokens(index[out.request_id], out.new_token_ids)
+
+    results = run_to_completion(engine, progress=progress, on_output=stream)
     ordered = [results[rid] for rid in rids]
     return (ordered, engine.stats) if return_stats else ordered
-
-
-def _by_index(on_tokens: Callable[[int, list[int]], None] | None,
-              index: int) -> Callable[[int, list[int]], None] | None:
-    if on_tokens is None:
-        return None
-    return lambda _rid, new_ids: on_tokens(index, new_ids)

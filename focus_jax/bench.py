@@ -22,7 +22,7 @@ from jax import monitoring
 from jax.sharding import Mesh
 
 from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig
-from focus_jax.engine import Engine
+from focus_jax.engine import Engine, run_to_completion
 from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
 
@@ -150,14 +150,14 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
     """One mode's run. Its engine (and KV cache) is gone when this returns, before the next
     mode's engine allocates its own: two caches at once would not fit at large batch."""
     cfg = model.config
-    engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh)
+    engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh, detokenize=False)
     start = time.perf_counter()
     engine.warmup(prompt_lengths=[len(p) for p in prompts])
     compile_seconds = time.perf_counter() - start
     for prompt in prompts:
-        engine.submit(prompt)
+        engine.add_request(prompt)
     with count_compilations() as compilations:
-        engine.run(progress=progress)
+        run_to_completion(engine, progress=progress)
     s = engine.stats
     steps = max(s.steps, 1)
     flops = layer_flops_per_token(cfg) * s.token_layers(cfg.num_layers)
@@ -170,4 +170,86 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         sampled_per_step=s.sampled_tokens / steps,
         model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
         prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
+        compilations=len(compilations))
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 of ``values`` (NaN when empty)."""
+    if not values:
+        return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
+    a = np.asarray(values, np.float64)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+@dataclasses.dataclass
+class OpenLoopResult:
+    """One mode's run under Poisson arrivals. Latencies in seconds, from each request's
+    scheduled arrival: ``admission_wait`` until its prefill is done, ``first_block`` until its
+    first committed block reaches the host, ``latency`` until it ends; ``per_token`` is
+    ``(latency - first_block) / (tokens - 1)``."""
+
+    mode: str
+    batch: int
+    request_rate: float
+    requests: int
+    generated_tokens: int
+    wall_seconds: float
+    steps: int
+    decode_seconds: float
+    admission_wait: dict[str, float]
+    first_block: dict[str, float]
+    per_token: dict[str, float]
+    latency: dict[str, float]
+    compilations: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * self.decode_seconds / max(self.steps, 1)
+
+
+def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_tokens: int,
+                  request_rate: float, seed: int = 0, block_size: int | None = None,
+                  mesh: Mesh | None = None, **generation: object) -> OpenLoopResult:
+    """Serve ``requests`` random prompts (the closed loop's) arriving as a Poisson process of
+    ``request_rate`` per second (seeded) on ``batch`` slots; greedy decoding. Throughput counts
+    generated tokens over the time from the first arrival to the last completion."""
+    cfg = model.config
+    lengths = prompt_lengths(requests, seed)
+    prompts = random_prompts(cfg, lengths, seed + 1)
+    gaps = np.random.default_rng(seed + 2).exponential(1.0 / request_rate, size=requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    config = GenerationConfig(mode=mode, block_size=block_size or cfg.block_size or 32,
+                              max_new_tokens=max_new_tokens, stop_token_ids=(), **generation)
+    engine = Engine(model, config, slots=batch, cache_len=max(lengths) + max_new_tokens,
+                    mesh=mesh, detokenize=False)
+    engine.warmup(prompt_lengths=lengths)
+    finished = []
+    with count_compilations() as compilations:
+        start = time.perf_counter()
+        sent = 0
+        while sent < requests or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while sent < requests and arrivals[sent] <= now:
+                engine.add_request(prompts[sent], arrival_time=start + arrivals[sent])
+                sent += 1
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, arrivals[sent] - (time.perf_counter() - start)))
+                continue
+            finished += [out for out in engine.step() if out.finished]
+        wall = time.perf_counter() - start
+    stats = [out.stats for out in finished]
+    tokens = [len(out.token_ids) for out in finished]
+    return OpenLoopResult(
+        mode=mode, batch=batch, request_rate=request_rate, requests=requests,
+        generated_tokens=sum(tokens), wall_seconds=wall, steps=engine.stats.steps,
+        decode_seconds=engine.stats.decode_seconds,
+        admission_wait=percentiles([s.admitted_time - s.arrival_time for s in stats]),
+        first_block=percentiles([s.first_block_time - s.arrival_time for s in stats]),
+        per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
+                               for s, n in zip(stats, tokens, strict=True)]),
+        latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
         compilations=len(compilations))

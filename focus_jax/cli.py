@@ -233,6 +233,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"measured bf16 peak {peak / 1e12:.0f} TFLOP/s")
     ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
               if args.bucket_ladder else {})
+    ladder["steps_per_round"] = args.steps_per_round
+    if args.request_rate:
+        return _bench_open_loop(args, model, mesh, say, ladder)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
@@ -255,6 +258,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"compiles after warm-up {r.compilations}", flush=True)
             if args.json and is_primary():
                 Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _bench_open_loop(args: argparse.Namespace, model, mesh, say, generation: dict) -> int:
+    """``bench --request-rate R1,R2,...``: Poisson arrivals at each rate, per batch and mode."""
+    import dataclasses
+    import json
+
+    from focus_jax import bench
+    from focus_jax.distributed import is_primary
+
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for rate in (float(r) for r in args.request_rate.split(",")):
+            for mode in args.modes.split(","):
+                r = bench.run_open_loop(model, mode, batch, batch * args.requests_per_slot,
+                                        args.max_new_tokens, rate, mesh=mesh, **generation)
+                rows.append({**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
+                             "step_ms": r.step_ms, "model": str(args.model or args.geometry)})
+                say(f"bs{batch} rate {rate:g}/s {mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                    f"step {r.step_ms:6.2f} ms  admission wait mean {r.admission_wait['mean']:.3f}s"
+                    f"  first block p50/p90/p99 {r.first_block['p50']:.2f}/"
+                    f"{r.first_block['p90']:.2f}/{r.first_block['p99']:.2f}s  per token p50 "
+                    f"{1000 * r.per_token['p50']:.1f} ms  latency p50/p90/p99 "
+                    f"{r.latency['p50']:.1f}/{r.latency['p90']:.1f}/{r.latency['p99']:.1f}s  "
+                    f"compiles {r.compilations}", flush=True)
+                if args.json and is_primary():
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 
@@ -369,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--modes", default="baseline,delayed,focus")
     be.add_argument("--bucket-ladder", default=None,
                     help="compaction bucket sizes as fractions of slots x block, comma-separated")
+    be.add_argument("--request-rate", default=None,
+                    help="open loop: Poisson arrivals at these rates (requests/s, comma-separated)"
+                         " instead of all requests at once")
+    be.add_argument("--steps-per-round", type=int, default=GenerationConfig.steps_per_round,
+                    help="denoising steps per device round (admissions happen between rounds)")
     be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)

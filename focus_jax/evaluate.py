@@ -10,7 +10,7 @@ from typing import Any
 from focus_jax import tasks
 from focus_jax.api import encode_prompt
 from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, cache_length, token_layer_split
+from focus_jax.engine import Engine, cache_length, run_to_completion, token_layer_split
 from focus_jax.model import Model
 
 
@@ -104,9 +104,9 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
         engine.warmup()
         counts = {}
         for task, indices in by_task.items():
-            ids = [engine.submit(prompts[i]) for i in indices]
+            ids = [engine.add_request(prompts[i]) for i in indices]
             start = time.perf_counter()
-            results = engine.run(progress=progress)
+            results = run_to_completion(engine, progress=progress)
             wall = time.perf_counter() - start
             c = Counts(examples=len(indices), wall_seconds=wall)
             for i, rid in zip(indices, ids, strict=True):

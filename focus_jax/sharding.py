@@ -88,11 +88,10 @@ def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
 
 def state_specs(state, kv_heads: str | None = "model"):
     """PartitionSpecs of a decode state: every array's leading slot axis over ``data``, the KV
-    cache ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``kv_heads``, the random
-    key replicated."""
+    cache ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``kv_heads``."""
     specs = jax.tree.map(lambda _: PartitionSpec("data"), state)
     cache = PartitionSpec(None, "data", None, kv_heads, None)
-    return dataclasses.replace(specs, rng=PartitionSpec(), cache=type(state.cache)(cache, cache))
+    return dataclasses.replace(specs, cache=type(state.cache)(cache, cache))
 
 
 def state_sharding(state, mesh: Mesh):
