@@ -330,9 +330,11 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 @pytest.mark.parametrize("case", BAD_REQUESTS)
 def test_bad_request_gets_its_status_and_an_openai_error(server, case):
     path, body, status, param = BAD_REQUESTS[case]
+    refused = server.metric("focus_jax_requests_total", outcome="invalid")
     error = assert_openai_error(server.post(path, body), status, param)
     if param in ("n", "logprobs"):
         assert "not supported" in error["message"]
+    assert server.metric("focus_jax_requests_total", outcome="invalid") == refused + 1
 
 
 def test_malformed_body_and_access_errors(server):
@@ -405,7 +407,8 @@ def test_full_queue_answers_429_with_retry_after(tmp_path, cache):
             async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"},
                                          timeout=DEADLINE) as client:
                 return await asyncio.gather(*(
-                    client.post(small.url + "/v1/chat/completions", json=chat(**SLOW))
+                    client.post(small.url + "/v1/chat/completions",
+                                json=chat(max_tokens=MAX_TOKENS, threshold=1.0))
                     for _ in range(SLOTS + 8)))
 
         responses = asyncio.run(flood())
@@ -413,6 +416,7 @@ def test_full_queue_answers_429_with_retry_after(tmp_path, cache):
         assert full and all(r.status_code == 200 for r in responses if r not in full)
         assert full[0].headers["Retry-After"] == "1"
         assert assert_openai_error(full[0], 429)["code"] == "queue_full"
+        assert small.metric("focus_jax_requests_total", outcome="rejected") == len(full)
         assert small.post("/v1/chat/completions", chat(max_tokens=1)).status_code == 200
     finally:
         small.stop()

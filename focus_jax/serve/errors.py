@@ -86,7 +86,8 @@ def install_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, err: APIError) -> JSONResponse:
         return err.response()
 
-    async def bad_body(_request: Request, err: RequestValidationError) -> JSONResponse:
+    async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        request.app.state.serving.metrics.refused("invalid")
         return validation_message(list(err.errors())).response()
 
     async def http_error(_request: Request, err: HTTPException) -> JSONResponse:

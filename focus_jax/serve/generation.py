@@ -53,6 +53,7 @@ class Generation:
         self._outputs: AsyncIterator[RequestOutput] | None = None
         self._first: RequestOutput | None = None
         self._recorded = False
+        self._first_block_seen = False
 
     async def start(self) -> None:
         """Hand the request to the engine and wait for its first output. Raises :class:`APIError`
@@ -78,37 +79,50 @@ class Generation:
         (the client went away) aborts the request."""
         if self._outputs is None or self._first is None:
             raise RuntimeError("start() the generation first")
-        out, outcome, tokens, first_block = self._first, "abort", None, False
+        out, outcome, tokens = self._first, "abort", None
         try:
             while True:
-                if out.new_token_ids and not first_block:
-                    first_block = True
+                if out.new_token_ids and not self._first_block_seen:
+                    self._first_block_seen = True
                     self.metrics.first_block.observe(time.perf_counter() - self.arrival)
-                if out.finished and out.finish_reason not in ("stop", "length"):
-                    outcome, tokens = out.finish_reason or "abort", len(out.token_ids)
-                    yield Piece("", error=_ended_early(out))
+                for piece in self._pieces_of(out):
+                    yield piece
+                    if piece.error is not None:
+                        outcome = out.finish_reason or "error"
+                        return
+                    if piece.finish_reason is not None:
+                        outcome, tokens = piece.finish_reason, piece.usage["completion_tokens"]
+                        return
+                try:
+                    out = await anext(self._outputs)
+                except EngineClosed as err:  # the engine's loop failed
+                    outcome = "error"
+                    yield Piece("", error=internal(str(err)))
                     return
-                texts = self._block_texts(out)
-                for i, text in enumerate(texts):
-                    final = out.finished and i == len(texts) - 1
-                    piece = self.text.feed(text, final=final)
-                    if self.text.stopped_at is not None:
-                        outcome = "stop"
-                        tokens = tokens_through(self.tokenizer, out.token_ids,
-                                                self.text.stopped_at + len(self.text.stop))
-                        yield Piece(piece, "stop", self._usage(tokens))
-                        return
-                    if final:
-                        outcome, tokens = out.finish_reason, len(out.token_ids)
-                        yield Piece(piece, out.finish_reason, self._usage(tokens))
-                        return
-                    if piece:
-                        yield Piece(piece)
-                out = await anext(self._outputs)
         finally:
             # Ends the engine's request if it has not finished (stop string, client gone).
             await self._outputs.aclose()
             self._record(outcome, out, len(out.token_ids) if tokens is None else tokens)
+
+    def _pieces_of(self, out: RequestOutput) -> list[Piece]:
+        """The pieces of one output: a piece per block it committed, the last one ending the
+        request when the output or a stop string does."""
+        if out.finished and out.finish_reason not in ("stop", "length"):
+            return [Piece("", error=_ended_early(out))]
+        pieces = []
+        texts = self._block_texts(out)
+        for i, text in enumerate(texts):
+            final = out.finished and i == len(texts) - 1
+            piece = self.text.feed(text, final=final)
+            if self.text.stopped_at is not None:
+                tokens = tokens_through(self.tokenizer, out.token_ids,
+                                        self.text.stopped_at + len(self.text.stop))
+                return [*pieces, Piece(piece, "stop", self._usage(tokens))]
+            if final:
+                return [*pieces, Piece(piece, out.finish_reason, self._usage(len(out.token_ids)))]
+            if piece:
+                pieces.append(Piece(piece))
+        return pieces
 
     async def complete(self) -> tuple[str, Piece]:
         """The whole text and the last piece (non-streaming answers)."""

@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from focus_jax.engine import RequestError
 from focus_jax.serve import sse
-from focus_jax.serve.errors import APIError, internal, invalid
+from focus_jax.serve.errors import internal, invalid
 from focus_jax.serve.generation import ClientGone, Generation, Piece, unless_disconnected
 from focus_jax.serve.prompts import chat_prompt_ids, completion_prompt_ids
-from focus_jax.serve.schemas import ChatCompletionRequest, CompletionRequest, _Request
+from focus_jax.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestBody
 from focus_jax.serve.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -62,29 +62,38 @@ async def model(name: str, request: Request) -> dict[str, Any]:
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
-    _check(state, body)
-    ids = completion_prompt_ids(state.model, body.prompt)
-    return await _answer(request, state, body, ids, _COMPLETION, prompt_param="prompt")
+    with state.counting_refusals():
+        _check(state, body)
+        generation = _generation(state, body, completion_prompt_ids(state.model, body.prompt),
+                                 prompt_param="prompt")
+    return await _answer(request, state, body, generation, _COMPLETION)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
-    _check(state, body)
-    ids = chat_prompt_ids(state.model, body.chat_messages())
-    return await _answer(request, state, body, ids, _CHAT, prompt_param="messages")
+    with state.counting_refusals():
+        _check(state, body)
+        generation = _generation(state, body, chat_prompt_ids(state.model, body.chat_messages()),
+                                 prompt_param="messages")
+    return await _answer(request, state, body, generation, _CHAT)
 
 
-def _check(state: ServerState, body: _Request) -> None:
+def _check(state: ServerState, body: RequestBody) -> None:
+    body.reject_unsupported()
+    state.check_model(body.model)
+
+
+def _generation(state: ServerState, body: RequestBody, ids: list[int], prompt_param: str) -> Generation:
+    """The request, checked against the context, ready to start."""
     try:
-        body.reject_unsupported()
-        state.check_model(body.model)
-    except APIError:
-        state.metrics.refused("invalid")
-        raise
+        params = body.sampling_params(_max_new_tokens(state, body, len(ids), prompt_param))
+    except RequestError as err:
+        raise invalid(str(err)) from None
+    return Generation(state.engine, state.metrics, state.model.tokenizer, ids, params, body.stop)
 
 
-def _max_new_tokens(state: ServerState, body: _Request, prompt_len: int, prompt_param: str) -> int:
+def _max_new_tokens(state: ServerState, body: RequestBody, prompt_len: int, prompt_param: str) -> int:
     """The request's token limit: what it asked for, or the rest of the context."""
     context = state.context
     if prompt_len >= context:
@@ -123,18 +132,8 @@ _COMPLETION = _Shape("text_completion", "cmpl", chat=False)
 _CHAT = _Shape("chat.completion", "chatcmpl", chat=True)
 
 
-async def _answer(request: Request, state: ServerState, body: _Request, ids: list[int],
-                  shape: _Shape, prompt_param: str) -> Response:
-    try:
-        params = body.sampling_params(_max_new_tokens(state, body, len(ids), prompt_param))
-    except RequestError as err:
-        state.metrics.refused("invalid")
-        raise invalid(str(err)) from None
-    except APIError:
-        state.metrics.refused("invalid")
-        raise
-    generation = Generation(state.engine, state.metrics, state.model.tokenizer, ids, params,
-                            body.stop)
+async def _answer(request: Request, state: ServerState, body: RequestBody, generation: Generation,
+                  shape: _Shape) -> Response:
     header = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "object": shape.kind,
               "created": int(time.time()), "model": state.settings.model_name}
     try:

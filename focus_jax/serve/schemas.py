@@ -22,7 +22,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
     """What both endpoints take."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -87,7 +87,7 @@ class _Request(BaseModel):
             stop_token_ids=() if self.ignore_eos else None)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(RequestBody):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
 
     prompt: str | tuple[int, ...]
@@ -145,7 +145,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestBody):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -3,8 +3,10 @@ shutting down."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from focus_jax.engine import AsyncEngine
@@ -56,6 +58,15 @@ class ServerState:
         """Prompt plus generated tokens a request may have: the engine's cache positions, at most
         the model's trained positions."""
         return min(self.engine.engine.cache_len, self.model.config.max_position_embeddings)
+
+    @contextlib.contextmanager
+    def counting_refusals(self) -> Iterator[None]:
+        """Count an :class:`APIError` raised in the block as a request refused as invalid."""
+        try:
+            yield
+        except APIError:
+            self.metrics.refused("invalid")
+            raise
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model's (no name: the served model)."""
