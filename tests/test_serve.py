@@ -341,6 +341,9 @@ def test_malformed_body_and_access_errors(server):
     malformed = server.post("/v1/chat/completions", content=b'{"messages": [',
                             headers={"Content-Type": "application/json"})
     assert "not valid JSON" in assert_openai_error(malformed, 400)["message"]
+    form = server.post("/v1/completions", content=b'{"prompt": "hi"}',
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert "Content-Type: application/json" in assert_openai_error(form, 400)["message"]
     huge = server.post("/v1/completions", {"prompt": "x" * (2 << 20)})
     assert_openai_error(huge, 413)
     assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json=chat()), 401)

@@ -88,6 +88,9 @@ def install_handlers(app: FastAPI) -> None:
 
     async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
         request.app.state.serving.metrics.refused("invalid")
+        if "json" not in request.headers.get("content-type", "json"):
+            return invalid("send the body as JSON, with the header 'Content-Type: application/json'",
+                           code="invalid_body").response()
         return validation_message(list(err.errors())).response()
 
     async def http_error(_request: Request, err: HTTPException) -> JSONResponse:
