@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float
 
 from pallas_kernels.focus_importance.reference import neighbours_in_list
+from pallas_kernels.sharding import varying_axes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -66,12 +67,13 @@ def importance(q: Float[Array, "s b h d"], k: Float[Array, "s b kvh d"],
     slot = lambda *block: pl.BlockSpec((None, *block), lambda i: (i,) + (0,) * len(block))
     out = pl.pallas_call(
         functools.partial(_kernel, heads=h, kv_heads=kvh),
-        out_shape=jax.ShapeDtypeStruct((s, 1, b), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((s, 1, b), jnp.float32,
+                                       manual_axis_type=varying_axes(q, k, masked)),
         grid=(s,),
         in_specs=[slot(h, b, d), slot(kvh, b, d), slot(1, b), slot(1, b), slot(1, b),
                   slot(b, 1)],
         out_specs=slot(1, b),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
     )(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), previous[:, None].astype(jnp.int32),
       following[:, None].astype(jnp.int32), weights[:, None], weights[..., None])

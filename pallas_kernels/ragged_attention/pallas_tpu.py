@@ -20,6 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.sharding import varying_axes
+
 _NEG = -1e30
 
 
@@ -103,7 +105,8 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     )
     padded = pl.pallas_call(
         functools.partial(_kernel, heads=h, kv_heads=kvh, block_kv=block_kv),
-        out_shape=jax.ShapeDtypeStruct((slots, h, b, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((slots, h, b, d), q.dtype,
+                                       manual_axis_type=varying_axes(q, k_cache, v_cache)),
         grid_spec=grid_spec,
         interpret=pltpu.InterpretParams() if interpret else False,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
