@@ -26,23 +26,28 @@ def free_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:
     return frozenset(mesh.axis_names) - manual
 
 
-def split(mesh: Mesh | AbstractMesh, axis: str) -> str | None:
+def split(mesh: Mesh | AbstractMesh | None, axis: str) -> str | None:
     """``axis`` where it is free in ``mesh`` and splits an array, else ``None`` (the name to
     put into a ``PartitionSpec``)."""
-    return axis if axis in free_axes(mesh) and mesh.shape[axis] > 1 else None
+    if mesh is None or axis not in free_axes(mesh):
+        return None
+    return axis if mesh.shape[axis] > 1 else None
 
 
-def check_divides(size: int, mesh: Mesh | AbstractMesh, axis: str, what: str) -> None:
+def check_divides(size: int, mesh: Mesh | AbstractMesh | None, axis: str, what: str) -> None:
     """A clear error when ``axis`` splits ``size`` unevenly."""
     if split(mesh, axis) and size % mesh.shape[axis]:
         raise ValueError(f"{what} = {size} does not divide by the mesh's {axis} axis "
                          f"({mesh.shape[axis]})")
 
 
-def manual(f, mesh: Mesh | AbstractMesh, in_specs: tuple, out_specs: PartitionSpec):
+def manual(f, mesh: Mesh | AbstractMesh | None, in_specs: tuple, out_specs: PartitionSpec):
     """``f`` inside ``shard_map`` over every free axis of ``mesh`` (the enclosing manual context
-    where there is one), or ``f`` itself when no axis is free."""
-    axes = free_axes(mesh)
+    where there is one), or ``f`` itself without a mesh or when no axis is free.
+
+    ``check_vma`` is off: Triton calls and the Pallas interpreter have no varying-axes rules;
+    the callers' out_specs leave out only axes they have reduced over (or that are size 1)."""
+    axes = free_axes(mesh) if mesh is not None else frozenset()
     if not axes:
         return f
     context = jax.sharding.get_abstract_mesh()

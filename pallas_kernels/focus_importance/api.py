@@ -23,11 +23,11 @@ def focus_importance(q, k, masked, *, impl: str | None = None):
     return choose("focus_importance", IMPLS, impl)(q, k, masked)
 
 
-def focus_importance_sharded(mesh: Mesh | AbstractMesh, q: Float[Array, "s b h d"],
+def focus_importance_sharded(mesh: Mesh | AbstractMesh | None, q: Float[Array, "s b h d"],
                              k: Float[Array, "s b kvh d"], masked: Bool[Array, "s b"], *,
                              impl: str | None = None) -> Float[Array, "s b"]:
     """:func:`focus_importance` inside ``shard_map`` over every axis of ``mesh`` not already
-    manual where it is called.
+    manual where it is called (``mesh=None``: the op itself).
 
     Slots ``s`` (of ``q``, ``k``, ``masked`` and the result ``[s, b]``) split over ``data``;
     the query heads ``h`` and KV heads ``kvh`` split over ``model`` (each device holds whole

@@ -58,7 +58,7 @@ def importance(q: Float[Array, "s b h d"], k: Float[Array, "s b kvh d"],
                masked: Bool[Array, "s b"], *, interpret: bool = False) -> Float[Array, "s b"]:
     """Same contract as :func:`pallas_kernels.focus_importance.reference.importance`.
 
-    ``interpret=True`` runs the kernel in the Pallas TPU interpreter (any platform).
+    ``interpret=True`` runs the kernel in the Pallas interpreter (any platform).
     """
     s, b, h, d = q.shape
     kvh = k.shape[2]

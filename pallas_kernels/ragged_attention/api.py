@@ -25,7 +25,7 @@ def ragged_attention(*args, impl: str | None = None, **kwargs):
     return choose("ragged_attention", IMPLS, impl)(*args, **kwargs)
 
 
-def ragged_attention_sharded(mesh: Mesh | AbstractMesh, q: Float[Array, "n h d"],
+def ragged_attention_sharded(mesh: Mesh | AbstractMesh | None, q: Float[Array, "n h d"],
                              rows: Int[Array, "n"], valid: Bool[Array, "n"],
                              k_cache: Float[Array, "layers s m kvh d"],
                              v_cache: Float[Array, "layers s m kvh d"],
@@ -33,7 +33,8 @@ def ragged_attention_sharded(mesh: Mesh | AbstractMesh, q: Float[Array, "n h d"]
                              block_size: int, impl: str | None = None,
                              **options) -> Float[Array, "n h d"]:
     """:func:`ragged_attention` inside ``shard_map`` over every axis of ``mesh`` not already
-    manual where it is called: each device attends with its own KV heads of its own slots.
+    manual where it is called: each device attends with its own KV heads of its own slots
+    (``mesh=None``: the op itself).
 
     Arguments and result as in :func:`ragged_attention` (``impl`` and ``options`` go to it).
     The cache ``[L, S, M, KVH, D]`` splits its slots ``S`` over ``data`` and its KV heads
