@@ -16,7 +16,9 @@ Everything here is a pure function of pytrees, compiled once per shape. The step
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,8 @@ from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
 from focus_jax.unmasking import Sampler, unmask
-from pallas_kernels.focus_importance import focus_importance
-from pallas_kernels.ragged_attention import ragged_attention
+from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
+from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
 MASKED, UNMASKED, CACHED = 0, 1, 2
 
@@ -213,6 +215,15 @@ def step(model: Decoder, state: DecodeState,
                          out_specs=(state_spec, log_spec), axis_names={"data"})(params, state)
 
 
+def _kernel(settings: DecodeSettings, op: Callable, sharded_op: Callable) -> Callable:
+    """``op`` with the step's kernels; on a mesh, its sharded entry point, which runs it inside
+    ``shard_map`` over the mesh axes the step leaves to the partitioner: a Mosaic or Triton
+    call cannot be partitioned, and each device then attends with its own slots and heads."""
+    if settings.mesh is None:
+        return functools.partial(op, impl=settings.kernels)
+    return functools.partial(sharded_op, settings.mesh, impl=settings.kernels)
+
+
 def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
           row_offset: Int[Array, ""] | int) -> tuple[DecodeState, StepLog]:
     s, b = state.tokens.shape
@@ -242,8 +253,8 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
 
     def attend_and_finish_rows(layer_index, rows, valid, x, q, cache: KVCache, kv_len):
         """The second half of a layer for a bucket's rows (padding rows pass through)."""
-        attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
-                                block_size=b, impl=settings.kernels)
+        attn = _kernel(settings, ragged_attention, ragged_attention_sharded)(
+            q, rows, valid, cache.k, cache.v, layer_index, kv_len, block_size=b)
         return jnp.where(valid[:, None], model.layer(layer_index).finish(x, attn), x)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
@@ -280,7 +291,8 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
 
         masked_processed = processed & masked
         def importance(q, k):
-            return focus_importance(blocks(q), blocks(k), masked_processed, impl=settings.kernels)
+            return _kernel(settings, focus_importance, focus_importance_sharded)(
+                blocks(q), blocks(k), masked_processed)
 
         delta = importance(q1, k1) - importance(q0, k0)
         avg = jnp.where(state.block_steps > 0,

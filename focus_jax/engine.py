@@ -190,9 +190,8 @@ class Engine:
             processed_ladder=ladder,
             retained_ladder=ladder,
             stop_token_ids=tuple(self.stop_token_ids),
-            # The Triton custom calls have no SPMD partitioning rule: on a mesh of several
-            # devices the default is the XLA path, which the partitioner shards.
-            kernels=config.kernels or ("xla" if mesh is not None and mesh.size > 1 else None),
+            # On a mesh the step calls each kernel through its sharded entry point.
+            kernels=config.kernels,
             mesh=mesh,
         )
         make_state = functools.partial(decoding.init_state, cfg, slots, self.cache_len, block,
