@@ -35,6 +35,9 @@ _NEG = -1e30
 LANES = 128
 VMEM_BUDGET = 12 * 2 ** 20
 """Bytes of VMEM a program may plan for (v5e's default scoped limit is 16 MiB)."""
+VMEM_LIMIT_MAX = 64 * 2 ** 20
+"""A cap on the scoped VMEM a program asks Mosaic for (twice its plan, at least the 16 MiB
+default); a plan within :data:`VMEM_BUDGET` asks for at most 24 MiB."""
 MAX_BLOCK_KV = 512
 
 
@@ -175,7 +178,7 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=max(16 * 2 ** 20, 2 * vmem)),
+            vmem_limit_bytes=min(max(16 * 2 ** 20, 2 * vmem), VMEM_LIMIT_MAX)),
     )(kv_len, jnp.asarray(layer, jnp.int32).reshape(1), tiles, k_cache, v_cache)
     out = out[:, :, :b * group].reshape(slots, kv_heads, b, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(slots * b, h, d)[jnp.clip(flat, 0, slots * b - 1)]
