@@ -157,9 +157,9 @@ def resident(target: Target) -> sharding.Resident:
     return sharding.resident_bytes(params, state, mesh)
 
 
-def check(target: Target) -> Iterator[ProgramReport]:
-    """Compile each program (prefill per bucket, then the decode round), yielding its report as
-    soon as it is compiled."""
+def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
+    """Compile each program (prefill per bucket, then the decode round unless ``decode`` is
+    false), yielding its report as soon as it is compiled."""
     mesh = tpu.make_mesh(target.topology, target.data, target.model)
     graphdef, params, state = _shapes(target)
     params = tpu.abstract(params, sharding.param_shardings(params, mesh))
@@ -176,6 +176,8 @@ def check(target: Target) -> Iterator[ProgramReport]:
                                      replicated((n, length), jnp.int32), rows, rows, rows)
         yield ProgramReport(f"prefill {n}x{length}", result,
                             prefill_flops(target.cfg, n, length, block), target.hbm_bytes)
+    if not decode:
+        return
     step = settings(target, mesh)
     result = tpu.compile_program(mesh, decode_round, graphdef, step,
                                  target.generation.steps_per_round, params, state,

@@ -168,6 +168,9 @@ class CompileResult:
     """A compile for a TPU: its wall time, and the chip memory or the compiler's error."""
 
     seconds: float
+    cpu_seconds: float
+    """CPU time of this process during the compile (all its threads): on a shared machine a
+    steadier measure than the wall time."""
     memory: ChipMemory | None
     error: str | None = None
 
@@ -188,14 +191,16 @@ def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> Compi
     Lowering runs under ``mesh``'s abstract mesh: some Pallas TPU lowering rules ask the
     current mesh for the chip generation (the default device here is a CPU).
     """
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    memory, error = None, None
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             compiled = jitted.lower(*args).compile()
         memory = ChipMemory.of(compiled)
     except Exception as err:  # any compiler error is a result to report
-        return CompileResult(time.perf_counter() - start, None, one_line(err))
-    return CompileResult(time.perf_counter() - start, memory)
+        error = one_line(err)
+    return CompileResult(time.perf_counter() - start, time.process_time() - cpu_start, memory,
+                         error)
 
 
 def one_line(err: BaseException, limit: int = 300) -> str:
