@@ -357,6 +357,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile_check(args: argparse.Namespace) -> int:
+    from focus_jax import compile_check, tpu
+    from focus_jax.config import NAMED_GEOMETRIES, ModelConfig
+
+    if (args.geometry is None) == (args.model is None):
+        raise ConfigError("give one of --geometry NAME or --model PATH")
+    if args.geometry:
+        cfg = ModelConfig(**NAMED_GEOMETRIES[args.geometry], dtype=args.dtype or "bfloat16")
+    else:
+        cfg = ModelConfig.from_file(args.model / "config.json", dtype=args.dtype)
+    ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
+              if args.bucket_ladder else {})
+    config = GenerationConfig(mode=args.mode, block_size=args.block_size, kernels=args.kernels,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              **ladder)
+    prompts = {"all": None, "none": ()}.get(args.prompt_buckets)
+    if args.prompt_buckets not in ("all", "none"):
+        prompts = tuple(int(n) for n in args.prompt_buckets.split(","))
+    target = compile_check.make_target(
+        cfg, args.topology, slots=args.batch, positions=args.max_len, generation=config,
+        mesh=args.mesh, prompt_lengths=prompts, prefill_batch=args.prefill_batch,
+        hbm_gib=args.hbm_gib)
+    tpu.require_libtpu()
+    print(compile_check.describe(target), flush=True)
+    print(compile_check.HEADER, flush=True)
+    reports = []
+    for report in compile_check.check(target):
+        reports.append(report)
+        print(compile_check.format_report(report), flush=True)
+    print(compile_check.summary(reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="focus-jax", description=(
         "Block-diffusion language models in JAX with FOCUS eviction."))
@@ -454,6 +487,37 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                      default="info")
     srv.set_defaults(func=cmd_serve)
+
+    cc = sub.add_parser("compile-check", help="compile every program for a TPU slice, here, "
+                                              "and check that it fits the chips' HBM")
+    cc.add_argument("--topology", required=True,
+                    help="TPU slice as libtpu names it: v5e:1x1, v5e:2x4, v6e:2x4, v5p:2x2x1, ...")
+    cc.add_argument("--geometry", choices=("sdar-1.7b", "sdar-8b"), default=None,
+                    help="a named model geometry (else --model)")
+    cc.add_argument("--model", type=Path, default=None, help="a model folder (its config.json)")
+    cc.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    cc.add_argument("--batch", type=int, default=64, help="slots decoded together")
+    cc.add_argument("--max-len", type=int, default=4096, help="cache positions per slot")
+    cc.add_argument("--mode", choices=MODES, default="focus")
+    cc.add_argument("--mesh", default=None,
+                    help="data=D,model=M over the slice's chips (needed beyond one chip)")
+    cc.add_argument("--block-size", type=int, default=None)
+    cc.add_argument("--bucket-ladder", default=None,
+                    help="compaction bucket sizes as fractions of slots x block (default: the "
+                         "engine's 16 buckets)")
+    cc.add_argument("--prompt-buckets", default="all",
+                    help="prefill at every prompt bucket (all), at the buckets of these "
+                         "comma-separated prompt lengths, or none")
+    cc.add_argument("--prefill-batch", type=int, default=None,
+                    help="prompts per prefill call (default: the engine's, min(batch, 8))")
+    cc.add_argument("--kernels", choices=("pallas_tpu", "xla"), default=None,
+                    help="attention and importance kernels (default: the TPU's, pallas_tpu)")
+    cc.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    cc.add_argument("--top-k", type=int, default=0)
+    cc.add_argument("--top-p", type=float, default=1.0)
+    cc.add_argument("--hbm-gib", type=float, default=None,
+                    help="HBM a program may use per chip (default: the chip's)")
+    cc.set_defaults(func=cmd_compile_check)
     return parser
 
 

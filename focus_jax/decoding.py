@@ -29,8 +29,8 @@ from focus_jax.cache import KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
-from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling
-from pallas_kernels.ragged_attention import ragged_attention
+from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, kernel
+from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "SlotParams", "StepLog",
            "decode_round", "init_state", "prefill", "release", "step"]
@@ -331,8 +331,10 @@ class _Layers:
 
     def _attend_and_finish_rows(self, layer_index, rows, valid, x, q, cache: KVCache, kv_len):
         """The second half of a layer for a bucket's rows (padding rows pass through)."""
-        attn = ragged_attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
-                                block_size=self.block_size, impl=self.settings.kernels)
+        attention = kernel(ragged_attention, ragged_attention_sharded, self.settings.kernels,
+                           self.settings.mesh)
+        attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
+                         block_size=self.block_size)
         return jnp.where(valid[:, None], self.model.layer(layer_index).finish(x, attn), x)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the

@@ -17,17 +17,29 @@ only the choice of policies (the mode, the unmasking rule) changes the program.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax import focus
 from focus_jax.unmasking import unmask
-from pallas_kernels.focus_importance import focus_importance
+from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
 
 MASKED, UNMASKED, CACHED = 0, 1, 2
+
+
+def kernel(op: Callable, sharded_op: Callable, impl: str | None, mesh: Mesh | None) -> Callable:
+    """``op`` with implementation ``impl``; on a mesh, its sharded entry point, which runs it
+    inside ``shard_map`` over the mesh axes the step leaves to the partitioner: a Mosaic or
+    Triton call cannot be partitioned, and each device then works on its own slots and heads."""
+    if mesh is None:
+        return functools.partial(op, impl=impl)
+    return functools.partial(sharded_op, mesh, impl=impl)
 
 
 class ProcessedTokens(Protocol):
@@ -95,6 +107,8 @@ class FocusEviction:
 
     kernels: str | None = None
     """Implementation of the importance kernel (None: the platform's default)."""
+    mesh: Mesh | None = None
+    """The decode state's mesh (the kernel then runs through its sharded entry point)."""
 
     evicts = True
 
@@ -107,7 +121,8 @@ class FocusEviction:
         masked_processed = processed & masked
 
         def importance(q: Array, k: Array) -> Array:
-            return focus_importance(q, k, masked_processed, impl=self.kernels)
+            return kernel(focus_importance, focus_importance_sharded, self.kernels, self.mesh)(
+                q, k, masked_processed)
 
         delta = importance(q1, k1) - importance(q0, k0)
         return processed & ~masked | focus.select_retained(delta, masked_processed, progress,
@@ -199,11 +214,11 @@ class Policies:
 
     @classmethod
     def for_mode(cls, mode: str, unmasking: str = "low_confidence_dynamic", per_step: int = 1,
-                 kernels: str | None = None) -> Policies:
+                 kernels: str | None = None, mesh: Mesh | None = None) -> Policies:
         """``baseline``: whole block, no eviction; ``delayed``: delayed cache; ``focus``:
         delayed cache + FOCUS eviction."""
         if mode not in ("baseline", "delayed", "focus"):
             raise ValueError(f"unknown mode {mode!r}")
         return cls(processing=WholeBlock() if mode == "baseline" else DelayedCache(),
-                   eviction=FocusEviction(kernels) if mode == "focus" else NoEviction(),
+                   eviction=FocusEviction(kernels, mesh) if mode == "focus" else NoEviction(),
                    unmasking=UnmaskingRule(unmasking, per_step))

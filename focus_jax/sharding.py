@@ -8,6 +8,7 @@ over ``model``). JAX's SPMD partitioner does the rest: the code under ``jit`` is
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import jax
@@ -98,3 +99,38 @@ def state_sharding(state, mesh: Mesh):
     """NamedShardings of a decode state on ``mesh`` (see :func:`state_specs`)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def bytes_per_device(tree, shardings) -> int:
+    """Bytes each device holds of ``tree`` (arrays or ``ShapeDtypeStruct``s) placed with
+    ``shardings`` (a matching tree of ``NamedSharding``s; ``None``: all on one device): a
+    replicated array counts whole on every device, a split one by its shard."""
+    arrays = jax.tree.leaves(tree)
+    if shardings is None:
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays)
+    places = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return sum(math.prod(where.shard_shape(a.shape)) * a.dtype.itemsize
+               for a, where in zip(arrays, places, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """Bytes per device of what stays in device memory between programs."""
+
+    weights: int
+    decode_state: int
+    """Nearly all of it the KV cache."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.decode_state
+
+
+def resident_bytes(params: nnx.State, state, mesh: Mesh | None) -> Resident:
+    """Per-device bytes of the weights ``params`` and the decode state ``state`` (arrays or
+    shapes, e.g. from ``jax.eval_shape``) as the engine places them on ``mesh`` (``None``: one
+    device)."""
+    if mesh is None:
+        return Resident(bytes_per_device(params, None), bytes_per_device(state, None))
+    return Resident(bytes_per_device(params, param_shardings(params, mesh)),
+                    bytes_per_device(state, state_sharding(state, mesh)))

@@ -2,8 +2,11 @@
 
 import os
 
-# Tests run on the CPU, in float32, with exact float32 matmuls, whatever machine runs them.
+# Tests run on the CPU, in float32, with exact float32 matmuls, whatever machine runs them (with
+# libtpu installed, JAX would otherwise look for a TPU first). Compiles for TPU topologies load
+# libtpu, whose lock file would refuse a second process using it at the same time.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import pytest

@@ -32,10 +32,10 @@ IMPLS = ["pallas_tpu_interpret", pytest.param("triton", marks=GPU_MARKS)]
 
 
 def cases(bf16_tolerance: float) -> list:
-    """(impl, dtype, tolerance): every kernel in float32; the Triton ones also in bf16 (the
-    engine's dtype, float32 accumulation on both sides), against the reference on the same
-    bf16 inputs."""
+    """(impl, dtype, tolerance): every kernel in float32 and in bf16 (the engine's dtype,
+    float32 accumulation on both sides), against the reference on the same bf16 inputs."""
     return [("pallas_tpu_interpret", jnp.float32, 2e-5),
+            ("pallas_tpu_interpret", jnp.bfloat16, bf16_tolerance),
             pytest.param("triton", jnp.float32, 2e-5, marks=GPU_MARKS),
             pytest.param("triton", jnp.bfloat16, bf16_tolerance, marks=GPU_MARKS)]
 

@@ -246,3 +246,13 @@ def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled
     finals, took, alive = asyncio.run(main())
     assert len(finals) == 4 and set(finals) <= {"abort", "stop", "length"} and "abort" in finals
     assert took < 30 and not alive
+
+
+def test_open_loop_bench_serves_every_request_and_orders_its_latencies(model):
+    from focus_jax import bench
+
+    result = bench.run_open_loop(model, "focus", batch=2, requests=5, max_new_tokens=8,
+                                 request_rate=50.0, block_size=4, bucket_ladder=(0.5, 1.0))
+    assert result.requests == 5 and result.generated_tokens == 5 * 8 and result.compilations == 0
+    for q in ("p50", "p90", "p99"):
+        assert 0 <= result.admission_wait[q] <= result.first_block[q] <= result.latency[q]

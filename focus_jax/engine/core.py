@@ -71,18 +71,9 @@ class Engine:
                                     else model.stop_token_ids)
         if mesh is not None:
             sharding.check_divisible(cfg, mesh, slots)
-        # Each data shard compacts its own slots' rows (decoding.step).
-        data_shards = mesh.shape["data"] if mesh is not None else 1
-        ladder = bucket_ladder(slots // data_shards * block, config.bucket_ladder)
-        # The Triton custom calls have no SPMD partitioning rule: on a mesh of several devices
-        # the default is the XLA path, which the partitioner shards.
-        kernels = config.kernels or ("xla" if mesh is not None and mesh.size > 1 else None)
-        self.settings = decoding.DecodeSettings(
-            block_size=block, mask_token_id=model.mask_token_id,
-            policies=Policies.for_mode(
-                config.mode, config.unmasking,
-                decoding.tokens_per_step(block, config.denoising_steps), kernels),
-            processed_ladder=ladder, retained_ladder=ladder, kernels=kernels, mesh=mesh)
+        self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
+                                        slots, mesh)
+        ladder = self.settings.processed_ladder
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or min(slots, 8),
                              steps_per_round=config.steps_per_round, mesh=mesh)
@@ -223,6 +214,23 @@ class Engine:
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this engine's model, settings and state."""
         return self.runner.lower_round()
+
+
+def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int,
+                    mesh: Mesh | None = None) -> decoding.DecodeSettings:
+    """The static settings of the decode programs for ``config`` (its block size set) on
+    ``slots`` slots: the policies of its mode, the bucket ladders, the kernels."""
+    block = config.block_size
+    # Each data shard compacts its own slots' rows (decoding.step).
+    data_shards = mesh.shape["data"] if mesh is not None else 1
+    ladder = bucket_ladder(slots // data_shards * block, config.bucket_ladder)
+    # On a mesh the step calls each kernel through its sharded entry point.
+    policies = Policies.for_mode(config.mode, config.unmasking,
+                                 decoding.tokens_per_step(block, config.denoising_steps),
+                                 config.kernels, mesh)
+    return decoding.DecodeSettings(block_size=block, mask_token_id=mask_token_id,
+                                   policies=policies, processed_ladder=ladder,
+                                   retained_ladder=ladder, kernels=config.kernels, mesh=mesh)
 
 
 def _token_ids(prompt: Sequence[int], vocab: int) -> list[int]:

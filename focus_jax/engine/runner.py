@@ -114,8 +114,9 @@ class Runner:
         # One transfer per round: the step logs and slot progress. (On GPUs the call above may
         # already have waited: XLA reads a while loop's condition each step.)
         state = self.state
-        return RoundCopy(*to_host((logs, steps, state.live, state.out_len, state.history,
-                                   state.sequence)))
+        logs, steps, *slots = to_host((logs, steps, state.live, state.out_len, state.history,
+                                       state.sequence))
+        return RoundCopy(logs, int(steps), *slots)
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its

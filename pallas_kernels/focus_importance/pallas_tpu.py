@@ -1,10 +1,11 @@
 """FOCUS importance as a Pallas TPU (Mosaic) kernel: one grid step per slot.
 
-Per query head: scores ``q k^T / sqrt(D)`` of the block (a [B, B] matmul on the MXU), max-pool
-over the key index with the neighbours *in the masked list* taken by two one-hot matmuls
-(``s @ P_prev``, ``s @ P_next``, exact at HIGHEST precision), masked softmax over keys, and the
-column sums accumulated over queries and heads. Heads are laid out leading (``[H, B, D]`` per
-slot) so every head's tile is contiguous.
+Per KV head, its GQA group's query heads stacked into one tile of ``G * B`` rows: scores
+``q k^T / sqrt(D)`` of the block (a ``[G*B, B]`` matmul on the MXU), max-pool over the key
+index with the neighbours *in the masked list* taken by two one-hot matmuls (``s @ P_prev``,
+``s @ P_next``, exact at HIGHEST precision), masked softmax over keys, and the column sums
+accumulated over queries and heads. Every block spans whole array dimensions, so Mosaic's
+tiling rule holds for any ``B``, group and head dim.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float
 
 from pallas_kernels.focus_importance.reference import neighbours_in_list
+from pallas_kernels.sharding import varying_axes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _kernel(q_ref, k_ref, previous_ref, following_ref, key_mask_ref, query_mask_ref, out_ref,
-            *, heads: int, kv_heads: int):
-    b, d = q_ref.shape[-2:]
+def _kernel(q_ref, k_ref, previous_ref, following_ref, key_mask_ref, query_mask_ref, out_ref):
+    kv_heads, b = k_ref.shape[0], k_ref.shape[1]
+    d = q_ref.shape[-1]
     key_masked = key_mask_ref[...] > 0          # [1, B]
-    query_weight = query_mask_ref[...]          # [B, 1], 1.0 for masked queries
+    query_weight = query_mask_ref[...]          # [G*B, 1], 1.0 for masked queries
     previous = previous_ref[...]                # [1, B]
     following = following_ref[...]             # [1, B]
     source = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
@@ -34,9 +36,9 @@ def _kernel(q_ref, k_ref, previous_ref, following_ref, key_mask_ref, query_mask_
     pick_following = (source == following).astype(jnp.float32)
     neg_inf = jnp.float32(-jnp.inf)
     total = jnp.zeros((1, b), jnp.float32)
-    for h in range(heads):
-        q = q_ref[h].astype(jnp.float32)                         # [B, D]
-        k = k_ref[h // (heads // kv_heads)].astype(jnp.float32)  # [B, D]
+    for kv_head in range(kv_heads):
+        q = q_ref[kv_head].astype(jnp.float32)  # [G*B, D]: the group's query heads stacked
+        k = k_ref[kv_head].astype(jnp.float32)  # [B, D]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
         s_previous = jnp.dot(s, pick_previous, precision=_HIGHEST)
@@ -57,22 +59,27 @@ def importance(q: Float[Array, "s b h d"], k: Float[Array, "s b kvh d"],
                masked: Bool[Array, "s b"], *, interpret: bool = False) -> Float[Array, "s b"]:
     """Same contract as :func:`pallas_kernels.focus_importance.reference.importance`.
 
-    ``interpret=True`` runs the kernel in the Pallas TPU interpreter (any platform).
+    ``interpret=True`` runs the kernel in the Pallas interpreter (any platform).
     """
     s, b, h, d = q.shape
     kvh = k.shape[2]
+    group = h // kvh
     previous, following = neighbours_in_list(masked)
     weights = masked.astype(jnp.float32)
+    # [S, H, B, D] -> [S, KVH, G*B, D] (free: heads are KV-head major): one tile per KV head.
+    q_tiles = jnp.swapaxes(q, 1, 2).reshape(s, kvh, group * b, d)
     slot = lambda *block: pl.BlockSpec((None, *block), lambda i: (i,) + (0,) * len(block))
     out = pl.pallas_call(
-        functools.partial(_kernel, heads=h, kv_heads=kvh),
-        out_shape=jax.ShapeDtypeStruct((s, 1, b), jnp.float32),
+        _kernel,
+        out_shape=jax.ShapeDtypeStruct((s, 1, b), jnp.float32,
+                                       manual_axis_type=varying_axes(q, k, masked)),
         grid=(s,),
-        in_specs=[slot(h, b, d), slot(kvh, b, d), slot(1, b), slot(1, b), slot(1, b),
-                  slot(b, 1)],
+        in_specs=[slot(kvh, group * b, d), slot(kvh, b, d), slot(1, b), slot(1, b), slot(1, b),
+                  slot(group * b, 1)],
         out_specs=slot(1, b),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-    )(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), previous[:, None].astype(jnp.int32),
-      following[:, None].astype(jnp.int32), weights[:, None], weights[..., None])
+    )(q_tiles, jnp.swapaxes(k, 1, 2), previous[:, None].astype(jnp.int32),
+      following[:, None].astype(jnp.int32), weights[:, None],
+      jnp.tile(weights, (1, group))[..., None])
     return out[:, 0]

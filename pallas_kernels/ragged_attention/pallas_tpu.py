@@ -1,13 +1,22 @@
-"""Ragged attention as a Pallas TPU (Mosaic) kernel over the compacted rows.
+"""Ragged attention as a Pallas TPU (Mosaic) kernel, tiled for the MXU.
 
-The compacted rows are slot-major (compaction is stable over ``slot * B + position``), so each
-slot's rows are one contiguous run: ``first_row[s]`` and ``row_count[s]`` (scalar-prefetched)
-locate them. The grid is ``(slot, kv block)``: a program reads the B-row window of queries that
-starts at the slot's first row (an element-offset block), and walks the slot's cache in blocks
-of ``block_kv`` positions with an online softmax, one KV head group at a time. KV blocks at or
-past ``kv_len`` are neither computed nor fetched (their block index repeats the last needed one,
-so the pipeline issues no copy); slots without rows do nothing. Output is one padded block per
-slot, gathered back to the compacted rows by the wrapper.
+Query tiles: the wrapper scatters the compacted rows back to their slots and lays each slot's
+queries out per KV head as one tile of ``B * group`` rows (the slot's ``B`` positions times the
+query heads of that KV head: the GQA group folded into the matmul rows), padded to a multiple
+of the sublane tiling (8 rows for 32-bit, 16 for 16-bit types). Every tile starts at row 0 of
+its block, so every block is aligned; a slot holds at most ``B`` rows, and ``B`` is 4 to 64,
+so a tile is as small as any row packing could make it.
+
+Grid ``(slot, kv block)``: a program holds its slot's query tiles of every KV head
+(``[KVH, T, D]``) and streams that slot's cache of the current layer in blocks of
+``block_kv`` positions ``[block_kv, KVH, D]`` (the layer and ``kv_len`` are scalar-prefetched
+into the index maps). Per KV head, two MXU matmuls per block (``[T, D] x [D, block_kv]`` and
+``[T, block_kv] x [block_kv, D]``) in the input dtype with float32 accumulation, and an online
+softmax whose running max and sum are kept lane-wide (``[T, 128]``, every lane equal) so that
+they load and store as whole vregs. KV blocks at or past ``kv_len`` are neither computed nor
+fetched (their block index repeats the last needed one, so the pipeline issues no copy); slots
+without rows count as ``kv_len = 0`` and fetch one block. The output tiles are gathered back
+to the compacted rows by the wrapper.
 """
 
 from __future__ import annotations
@@ -20,16 +29,59 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.sharding import varying_axes
+
 _NEG = -1e30
+LANES = 128
+VMEM_BUDGET = 12 * 2 ** 20
+"""Bytes of VMEM a program may plan for (v5e's default scoped limit is 16 MiB)."""
+VMEM_LIMIT_MAX = 64 * 2 ** 20
+"""A cap on the scoped VMEM a program asks Mosaic for (twice its plan, at least the 16 MiB
+default); a plan within :data:`VMEM_BUDGET` asks for at most 24 MiB."""
+MAX_BLOCK_KV = 512
 
 
-def _kernel(first_row_ref, row_count_ref, kv_len_ref, layer_ref,
-            q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref,
-            *, heads: int, kv_heads: int, block_kv: int):
+def sublane_tile(dtype) -> int:
+    """Rows of one vreg tile for ``dtype``: 8 for 32-bit types, 16 for 16-bit ones."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def vmem_bytes(tile_rows: int, kv_heads: int, head_dim: int, block_kv: int, dtype) -> int:
+    """VMEM of one program: double-buffered query, output and K/V blocks (padded to whole
+    tiles) and the float32 scratch."""
+    item = jnp.dtype(dtype).itemsize
+    lanes = _round_up(head_dim, LANES)
+    tiles = 2 * 2 * kv_heads * tile_rows * lanes * item
+    kv = 2 * 2 * block_kv * _round_up(kv_heads, sublane_tile(dtype)) * lanes * item
+    scratch = kv_heads * tile_rows * (2 * LANES + lanes) * 4
+    return tiles + kv + scratch
+
+
+def choose_block_kv(positions: int, tile_rows: int, kv_heads: int, head_dim: int, dtype) -> int:
+    """The largest divisor of ``positions`` up to 512 whose program fits :data:`VMEM_BUDGET`
+    (the smallest divisor when none does)."""
+    divisors = [b for b in range(min(positions, MAX_BLOCK_KV), 0, -1) if positions % b == 0]
+    fitting = [b for b in divisors
+               if vmem_bytes(tile_rows, kv_heads, head_dim, b, dtype) <= VMEM_BUDGET]
+    return (fitting or divisors[-1:])[0]
+
+
+def matmul_precision(dtype) -> jax.lax.Precision | None:
+    """16-bit inputs: one MXU pass (Mosaic refuses a float32 contract precision for them, which
+    ``jax_default_matmul_precision="highest"`` would ask for); float32: as configured."""
+    return None if jnp.dtype(dtype).itemsize == 4 else jax.lax.Precision.DEFAULT
+
+
+def _kernel(kv_len_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref, *,
+            block_kv: int, scale: float, precision: jax.lax.Precision | None):
+    del layer_ref  # used by the index maps only
     slot, kv_block = pl.program_id(0), pl.program_id(1)
     kv_len = kv_len_ref[slot]
-    group = heads // kv_heads
-    b, d = q_ref.shape[1], q_ref.shape[2]
+    kv_heads, rows = q_ref.shape[0], q_ref.shape[1]
 
     @pl.when(kv_block == 0)
     def _init():
@@ -39,76 +91,94 @@ def _kernel(first_row_ref, row_count_ref, kv_len_ref, layer_ref,
 
     start = kv_block * block_kv
 
-    @pl.when((row_count_ref[slot] > 0) & (start < kv_len))
+    @pl.when(start < kv_len)
     def _accumulate():
-        position = start + jax.lax.broadcasted_iota(jnp.int32, (b, block_kv), 1)
-        visible = position < kv_len
-        for h in range(heads):
-            q = q_ref[h].astype(jnp.float32)                       # [B, D]
-            k = k_ref[:, h // group, :].astype(jnp.float32)        # [block_kv, D]
-            v = v_ref[:, h // group, :].astype(jnp.float32)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32) * (d ** -0.5)
-            s = jnp.where(visible, s, _NEG)
-            m_old = m_ref[h]                                       # [B, 1]
+        visible = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1) < kv_len
+        for head in range(kv_heads):
+            q = q_ref[head]                                          # [T, D]
+            k = k_ref[:, head, :].astype(q.dtype)                    # [block_kv, D]
+            v = v_ref[:, head, :].astype(q.dtype)
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32) * scale
+            s = jnp.where(visible, s, _NEG)                          # [T, block_kv]
+            m_old = m_ref[head]                                      # [T, 128]
             m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+            # Position `start` is visible, so every row's max is a real score and the masked
+            # entries' exponentials vanish.
+            p = jnp.exp(s - m_new[:, :1])
             correction = jnp.exp(m_old - m_new)
-            l_ref[h] = correction * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[h] = correction * acc_ref[h] + jnp.dot(p, v, preferred_element_type=jnp.float32)
-            m_ref[h] = m_new
+            l_ref[head] = correction * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
+            acc_ref[head] = correction[:, :1] * acc_ref[head] + jnp.dot(
+                p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+            m_ref[head] = m_new
 
     @pl.when(kv_block == pl.num_programs(1) - 1)
     def _finish():
-        for h in range(heads):
-            out_ref[h] = (acc_ref[h] / jnp.maximum(l_ref[h], 1e-30)).astype(out_ref.dtype)
+        for head in range(kv_heads):
+            total = jnp.maximum(l_ref[head][:, :1], 1e-30)          # 0 for slots without rows
+            out_ref[head] = (acc_ref[head] / total).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "block_kv", "interpret"))
 def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
                      k_cache: Float[Array, "layers s m kvh d"],
                      v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
-                     kv_len: Int[Array, "s"], *, block_size: int, block_kv: int = 128,
+                     kv_len: Int[Array, "s"], *, block_size: int, block_kv: int | None = None,
                      interpret: bool = False) -> Float[Array, "n h d"]:
-    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`, with
-    the precondition that valid rows come first and are sorted by ``rows`` (what compaction
-    gives). ``interpret=True`` runs the kernel in the Pallas TPU interpreter (any platform)."""
-    n, h, d = q.shape
-    _, slots, positions, kvh, _ = k_cache.shape
-    b = block_size
-    block_kv = min(block_kv, positions)
+    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`.
+
+    ``block_kv``: cache positions per KV block (a divisor of the cache's ``M``; ``None``: the
+    largest up to 512 that fits the VMEM budget). ``interpret=True`` runs the kernel in the
+    Pallas interpreter (any platform).
+    """
+    _, h, d = q.shape
+    _, slots, positions, kv_heads, _ = k_cache.shape
+    b, group = block_size, h // kv_heads
+    tile_rows = _round_up(b * group, sublane_tile(q.dtype))
+    if block_kv is None:
+        block_kv = choose_block_kv(positions, tile_rows, kv_heads, d, k_cache.dtype)
     if positions % block_kv:
         raise ValueError(f"cache positions {positions} must be a multiple of block_kv {block_kv}")
-    slot_of_row = jnp.where(valid, rows // b, slots)
-    row_count = jnp.zeros((slots,), jnp.int32).at[slot_of_row].add(1, mode="drop")
-    first_row = jnp.cumsum(row_count) - row_count
-    kv_len = kv_len.astype(jnp.int32)
-    # Heads leading, and B spare rows so that the last slot's window stays in bounds.
-    q_heads = jnp.swapaxes(jnp.pad(q, ((0, b), (0, 0), (0, 0))), 0, 1)
 
-    def kv_index(s, kb, first, count, lengths, layer_):
-        return (layer_[0], s, jnp.minimum(kb, jnp.maximum(lengths[s] - 1, 0) // block_kv), 0, 0)
+    if interpret:
+        # The interpreter threads its inputs through a while loop. Inside a shard_map with
+        # check_vma off (the sharded entry point's) nested in one with it on (the decode
+        # step's), a cache passed straight in keeps the outer varying-axes type while the loop
+        # body's result has none; the result of an operation here is typed afresh (a copy
+        # primitive keeps the type).
+        k_cache, v_cache = k_cache * 1, v_cache * 1
+    flat = jnp.where(valid, rows, slots * b)
+    has_rows = jnp.zeros((slots,), bool).at[flat // b].set(True, mode="drop")
+    kv_len = jnp.where(has_rows, kv_len, 0).astype(jnp.int32)
+    # [S*B, H, D] -> per slot and KV head, the B positions times the group's query heads.
+    tiles = jnp.zeros((slots * b, h, d), q.dtype).at[flat].set(q, mode="drop")
+    tiles = tiles.reshape(slots, b, kv_heads, group, d).transpose(0, 2, 1, 3, 4)
+    tiles = jnp.pad(tiles.reshape(slots, kv_heads, b * group, d),
+                    ((0, 0), (0, 0), (0, tile_rows - b * group), (0, 0)))
 
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
-        grid=(slots, positions // block_kv),
-        in_specs=[
-            pl.BlockSpec((h, pl.Element(b), d), lambda s, kb, first, *_: (0, first[s], 0)),
-            pl.BlockSpec((None, None, block_kv, kvh, d), kv_index),
-            pl.BlockSpec((None, None, block_kv, kvh, d), kv_index),
-        ],
-        out_specs=pl.BlockSpec((None, h, b, d), lambda s, kb, *_: (s, 0, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((h, b, 1), jnp.float32), pltpu.VMEM((h, b, 1), jnp.float32),
-                        pltpu.VMEM((h, b, d), jnp.float32)],
-    )
-    padded = pl.pallas_call(
-        functools.partial(_kernel, heads=h, kv_heads=kvh, block_kv=block_kv),
-        out_shape=jax.ShapeDtypeStruct((slots, h, b, d), q.dtype),
-        grid_spec=grid_spec,
-        interpret=pltpu.InterpretParams() if interpret else False,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-    )(first_row, row_count, kv_len, jnp.asarray(layer, jnp.int32).reshape(1), q_heads,
-      k_cache, v_cache)
-    slot = jnp.clip(slot_of_row, 0, slots - 1)
-    offset = jnp.clip(jnp.arange(n) - first_row[slot], 0, b - 1)
-    return padded[slot, :, offset]
+    def kv_index(s, kb, lengths, layer_):
+        last = jnp.maximum(lengths[s] - 1, 0) // block_kv
+        return layer_[0], s, jnp.minimum(kb, last), 0, 0
+
+    tile_spec = pl.BlockSpec((None, kv_heads, tile_rows, d), lambda s, kb, *_: (s, 0, 0, 0))
+    kv_spec = pl.BlockSpec((None, None, block_kv, kv_heads, d), kv_index)
+    vmem = vmem_bytes(tile_rows, kv_heads, d, block_kv, k_cache.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_kv=block_kv, scale=d ** -0.5,
+                          precision=matmul_precision(q.dtype)),
+        out_shape=jax.ShapeDtypeStruct(
+            tiles.shape, q.dtype,
+            manual_axis_type=varying_axes(q, rows, valid, k_cache, v_cache, kv_len)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(slots, positions // block_kv),
+            in_specs=[tile_spec, kv_spec, kv_spec], out_specs=tile_spec,
+            scratch_shapes=[pltpu.VMEM((kv_heads, tile_rows, LANES), jnp.float32),
+                            pltpu.VMEM((kv_heads, tile_rows, LANES), jnp.float32),
+                            pltpu.VMEM((kv_heads, tile_rows, d), jnp.float32)]),
+        interpret=interpret,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=min(max(16 * 2 ** 20, 2 * vmem), VMEM_LIMIT_MAX)),
+    )(kv_len, jnp.asarray(layer, jnp.int32).reshape(1), tiles, k_cache, v_cache)
+    out = out[:, :, :b * group].reshape(slots, kv_heads, b, group, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(slots * b, h, d)[jnp.clip(flat, 0, slots * b - 1)]

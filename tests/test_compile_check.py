@@ -1,0 +1,140 @@
+"""TPU programs compiled on this CPU machine (libtpu's compilers, no TPU), and ``compile-check``.
+
+Shapes are tiny and the ladders short: a compile of the tiny model's decode round takes seconds
+on two cores, where a 16-bucket ladder of a real geometry takes minutes.
+"""
+
+import json
+
+import pytest
+
+from focus_jax import GenerationConfig, compile_check, tpu
+from focus_jax.cli import main
+from focus_jax.config import ConfigError
+from focus_jax.testing import tiny_config
+
+needs_libtpu = pytest.mark.skipif(not tpu.libtpu_installed(),
+                                  reason="libtpu is not installed (pip install 'focus-jax[tpu]')")
+
+# Eight query and four KV heads, so that a model axis of 4 splits them; bfloat16 as served.
+TINY = tiny_config(num_heads=8, num_kv_heads=4, dtype="bfloat16", block_size=8)
+SHORT_LADDER = (0.5, 1.0)
+
+
+def decode_round(mode: str, topology: str, mesh: str | None, kernels: str):
+    target = compile_check.make_target(
+        TINY, topology, slots=16, positions=64, mesh=mesh, prompt_lengths=(),
+        generation=GenerationConfig(mode=mode, kernels=kernels, bucket_ladder=SHORT_LADDER))
+    [report] = compile_check.check(target)
+    return report
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mode", ["baseline", "focus"])
+def test_tiny_decode_round_with_tpu_kernels_compiles_for_one_v5e_chip_and_a_2x4_mesh(mode):
+    one = decode_round(mode, "v5e:1x1", None, "pallas_tpu")
+    eight = decode_round(mode, "v5e:2x4", "data=2,model=4", "pallas_tpu")
+    for report in (one, eight):
+        assert report.result.compiled, report.result.error
+        assert report.ok and report.flops > 0
+    # Slots over data and heads over model: each chip of the mesh holds a fraction of the
+    # weights and the cache that one chip holds alone.
+    assert eight.result.memory.arguments < one.result.memory.arguments / 2
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    return folder
+
+
+def compile_check_cli(folder, *options: str) -> list[str]:
+    return ["compile-check", "--model", str(folder), "--batch", "4", "--max-len", "32",
+            "--bucket-ladder", "1", *options]
+
+
+@needs_libtpu
+def test_compile_check_prints_every_program_and_succeeds(tiny_folder, capsys):
+    code = main(compile_check_cli(tiny_folder, "--topology", "v5e:1x1", "--prompt-buckets", "5,9"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # Prefill at the buckets holding prompts of 5 and 9 tokens (8 and 16), then the round.
+    rows = [line.split()[0:3] for line in out.splitlines() if "compiled" in line.split()[2:3]]
+    assert rows == [["prefill", "4x8", "compiled"], ["prefill", "4x16", "compiled"],
+                    ["decode", "round", "compiled"]], out
+    assert "all 3 programs compiled and fit" in out
+    assert "weights + decode state per chip" in out
+
+
+@needs_libtpu
+def test_compile_check_fails_when_a_program_does_not_fit_the_chip(tiny_folder, capsys):
+    code = main(compile_check_cli(tiny_folder, "--topology", "v6e:2x2", "--mesh", "data=2",
+                                  "--prompt-buckets", "none", "--hbm-gib", "0.0001"))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "too big" in out and "1 do not fit" in out
+
+
+def test_compile_check_without_libtpu_says_how_to_install_it(tiny_folder, capsys, monkeypatch):
+    monkeypatch.setattr(tpu, "libtpu_installed", lambda: False)
+    code = main(compile_check_cli(tiny_folder, "--topology", "v5e:1x1"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "pip install 'focus-jax[tpu]'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--topology", "v9x:2x2"], "unknown TPU generation 'v9x'"),
+    (["--topology", "v5p:2x2"], "a v5p shape has 3 positive dimensions"),
+    (["--topology", "v5e:2x4"], "give --mesh data=D,model=M"),
+    (["--topology", "v5e:2x2", "--mesh", "data=4,model=2"], "needs 8 chips, v5e:2x2 has 4"),
+    (["--topology", "v5e:2x4", "--mesh", "data=8"], "4 slots do not divide by the mesh's data"),
+    (["--topology", "v5e:2x4", "--mesh", "model=8"], "num_key_value_heads = 4 does not divide"),
+    (["--topology", "v5e:1x1", "--prompt-buckets", "40"], "prompt lengths [40] do not fit"),
+    (["--topology", "v5e:1x1", "--geometry", "sdar-8b"], "one of --geometry NAME or --model"),
+])
+def test_bad_options_are_one_line_errors_before_any_compile(tiny_folder, capsys, monkeypatch,
+                                                            options, message):
+    def no_compile(*_args):
+        raise AssertionError("compiled before checking the options")
+
+    monkeypatch.setattr(compile_check, "check", no_compile)
+    monkeypatch.setattr(tpu, "devices", no_compile)
+    code = main(compile_check_cli(tiny_folder, *options))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_model_flops_of_a_step_match_what_xla_counts():
+    """The FLOPs from shapes count the work the compiled step does (XLA's own count, on the CPU
+    with the XLA kernels and the layers unrolled; a geometry where matmuls dominate: the rest is
+    elementwise work the model FLOPs leave out)."""
+    import dataclasses
+
+    import jax
+
+    from focus_jax import decoding
+    from focus_jax.testing import tiny_model
+
+    model = tiny_model(num_layers=3, hidden_size=256, intermediate_size=1024, num_heads=4,
+                       num_kv_heads=2, head_dim=64, vocab_size=512, block_size=8)
+    slots, positions = 64, 32
+    rows = slots * 8  # one LM-head chunk (decoding.HEAD_CHUNK): no padded head rows
+    target = compile_check.make_target(model.config, "v5e:1x1", slots=slots, positions=positions,
+                                       generation=GenerationConfig(mode="focus", kernels="xla"))
+    settings = dataclasses.replace(compile_check.settings(target, None), processed_ladder=(rows,),
+                                   retained_ladder=(rows,), unroll_layers=True)
+    state = jax.eval_shape(lambda: decoding.init_state(model.config, slots, positions, 8, 0))
+    counted = jax.jit(lambda s: decoding.step(model.module(), s, settings)).lower(state).compile()
+    ours = compile_check.decode_step_flops(model.config, settings, slots, rows, rows, positions)
+    assert ours == pytest.approx(counted.cost_analysis()["flops"], rel=0.02)
+
+
+def test_one_chip_is_named_as_a_1x1_topology_of_its_generation():
+    one = tpu.parse_topology("v5e:1x1")
+    assert one.chips == 1 and one.chip.host_topology == "v5e:2x2"
+    assert tpu.parse_topology("v5p:2x2x2").chips == 8
+    with pytest.raises(ConfigError, match="expected GENERATION:SHAPE"):
+        tpu.parse_topology("v5litepod-8")
