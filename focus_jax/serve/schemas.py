@@ -34,9 +34,9 @@ class RequestBody(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: tuple[str, ...] = ()
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -69,7 +69,7 @@ class RequestBody(BaseModel):
 
     def reject_unsupported(self) -> None:
         """Raise the 400 for a parameter this server does not implement."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise unsupported("n", f"n={self.n} (several choices per request)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):

@@ -41,18 +41,18 @@ class DrainingServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
-            yield  # in a thread (tests): stopped through should_exit
+            yield  # off the main thread (an embedded server): stopped through should_exit
             return
         loop = asyncio.get_running_loop()
         for sig in _SIGNALS:
-            loop.add_signal_handler(sig, self.begin_shutdown, sig)
+            loop.add_signal_handler(sig, self.begin_shutdown)
         try:
             yield
         finally:
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
 
-    def begin_shutdown(self, sig: int | None = None) -> None:
+    def begin_shutdown(self) -> None:
         """Stop accepting and let the engine drain (called on the server's event loop)."""
         if self._drain is not None:
             self.force_exit = True
