@@ -88,8 +88,27 @@ def measured_bf16_peak(size: int = 8192, repeats: int = 10) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
+class _Throughput:
+    """Output tokens per second and decode step time of a run's ``generated_tokens``,
+    ``wall_seconds``, ``steps`` and ``decode_seconds``."""
+
+    generated_tokens: int
+    wall_seconds: float
+    steps: int
+    decode_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds
+
+    @property
+    def step_ms(self) -> float:
+        """Decode step time (prefill and host time between rounds excluded)."""
+        return 1000 * self.decode_seconds / max(self.steps, 1)
+
+
 @dataclasses.dataclass
-class BenchResult:
+class BenchResult(_Throughput):
     mode: str
     batch: int
     requests: int
@@ -110,15 +129,6 @@ class BenchResult:
     """Host time between decode rounds (the device idle)."""
     compilations: int
     """XLA compilations during the timed run (after warm-up): should be 0."""
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.wall_seconds
-
-    @property
-    def step_ms(self) -> float:
-        """Decode step time (prefill and host time between rounds excluded)."""
-        return 1000 * self.decode_seconds / max(self.steps, 1)
 
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation over the whole run (prefill and host time included)."""
@@ -182,7 +192,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
 
 
 @dataclasses.dataclass
-class OpenLoopResult:
+class OpenLoopResult(_Throughput):
     """One mode's run under Poisson arrivals. Latencies in seconds, from each request's
     scheduled arrival: ``admission_wait`` until its prefill is done, ``first_block`` until its
     first committed block reaches the host, ``latency`` until it ends; ``per_token`` is
@@ -201,14 +211,6 @@ class OpenLoopResult:
     per_token: dict[str, float]
     latency: dict[str, float]
     compilations: int
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.wall_seconds
-
-    @property
-    def step_ms(self) -> float:
-        return 1000 * self.decode_seconds / max(self.steps, 1)
 
 
 def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_tokens: int,
