@@ -151,13 +151,6 @@ async def run(url: str, workload: Workload, prompts: Sequence[str] | Sequence[li
     return report(url, model, workload, list(records), start)
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
-    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(values))}
-
-
 def report(url: str, model: str, workload: Workload, records: list[Record],
            start: float) -> dict[str, Any]:
     """The run's summary: throughput over the wall time, latencies in seconds."""
@@ -178,11 +171,11 @@ def report(url: str, model: str, workload: Workload, records: list[Record],
         "short_outputs": sum(r.completion_tokens != workload.max_tokens for r in done),
         "mean_prompt_tokens": (float(np.mean([r.prompt_tokens for r in done]))
                                if done and all(r.prompt_tokens is not None for r in done) else None),
-        "time_to_first_block": _percentiles([r.chunk_times[0] - r.sent for r in done
+        "time_to_first_block": bench.percentiles([r.chunk_times[0] - r.sent for r in done
                                              if r.chunk_times]),
-        "time_between_blocks": _percentiles([b - a for r in done
+        "time_between_blocks": bench.percentiles([b - a for r in done
                                              for a, b in itertools.pairwise(r.chunk_times)]),
-        "end_to_end": _percentiles([r.end - r.sent for r in done]),
+        "end_to_end": bench.percentiles([r.end - r.sent for r in done]),
     }
 
 
