@@ -324,9 +324,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
     from focus_jax.sharding import make_mesh, parse_mesh
 
-    if args.max_batch < 1 or args.max_queue < 0:
-        raise ConfigError(f"--max-batch must be >= 1 and --max-queue >= 0, got {args.max_batch} "
-                          f"and {args.max_queue}")
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise ConfigError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and "
+                          f"{args.max_queue}")
     try:
         sock = listen_socket(args.host, args.port)
     except OSError as err:
