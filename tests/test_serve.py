@@ -19,15 +19,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-import focus_jax
-from focus_jax.cli import BUNDLED_MODEL, main
-from focus_jax.serve import load
-from focus_jax.serve.stop import tokens_through
+# The serve extra (and the openai client): present wherever `make test` installed the project;
+# a GPU machine's own Python may lack them (`make test-gpu` collects this file too).
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+text_string_to_metric_families = pytest.importorskip(
+    "prometheus_client.parser").text_string_to_metric_families
+pytest.importorskip("fastapi")
+
+import focus_jax  # noqa: E402
+from focus_jax.cli import BUNDLED_MODEL, main  # noqa: E402
+from focus_jax.serve import load  # noqa: E402
+from focus_jax.serve.stop import tokens_through  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "focus-tiny"
