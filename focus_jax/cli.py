@@ -172,7 +172,7 @@ class _StreamPrinter:
 def cmd_convert(args: argparse.Namespace) -> int:
     from focus_jax.checkpoint import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype)
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -258,21 +258,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from focus_jax.train import PairSource, TrainConfig, train
+def _require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Options (by ``args`` attribute) that must be > 0 when given; NaN is refused too."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from focus_jax.config import SUPPORTED_BLOCK_SIZES
+    from focus_jax.train import PairSource, TrainConfig, run, train
+
+    # Everything that needs no model is checked before the model loads.
+    _require_positive(args, "steps", "batch_size", "seq_len", "learning_rate", "log_every",
+                      "checkpoint_every", "checkpoint_seconds")
+    if args.block_size is not None and args.block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ConfigError(f"--block-size {args.block_size} is not supported; supported: "
+                          f"{SUPPORTED_BLOCK_SIZES}")
+    run.check_folder(args.out)
     model = load_model(args.model, "float32")
     block = args.block_size or model.config.block_size
     if block is None:
         raise ConfigError("the model names no block_size: pass --block-size")
+    if args.seq_len % block:
+        raise ConfigError(f"--seq-len {args.seq_len} is not a multiple of the block size {block}")
     source = PairSource(model, args.data, args.batch_size, args.seq_len, seed=args.seed)
     if source.dropped:
         print(f"note: {source.dropped} pairs longer than {args.seq_len} tokens were dropped",
               file=sys.stderr)
     cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate, block_size=block,
-                      warmup_steps=min(100, args.steps // 10), seed=args.seed)
-    train(model, source, cfg, args.out)
-    print(f"wrote {Path(args.out) / 'model'}")
+                      warmup_steps=min(100, args.steps // 10), seed=args.seed,
+                      log_every=args.log_every, checkpoint_every=args.checkpoint_every,
+                      checkpoint_seconds=args.checkpoint_seconds)
+    try:
+        train(model, source, cfg, args.out, overwrite=args.overwrite)
+    except KeyboardInterrupt as stop:
+        print(f"focus-jax: {stop or 'interrupted'}", file=sys.stderr)
+        return 130
+    print(f"wrote {Path(args.out) / run.MODEL_DIR}")
     return 0
 
 
@@ -292,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("hf_dir", type=Path)
     conv.add_argument("out_dir", type=Path)
     conv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    conv.add_argument("--overwrite", action="store_true",
+                      help="replace the model folder at OUT_DIR (kept until the new one is complete)")
     conv.set_defaults(func=cmd_convert)
 
     ev = sub.add_parser("eval", help="exact match and compute of the modes on held-out tasks")
@@ -327,13 +353,25 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", type=Path, required=True)
     tr.add_argument("--data", type=Path, required=True,
                     help='JSON lines: {"prompt": ..., "response": ...}')
-    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--out", type=Path, required=True,
+                    help="the run's folder (checkpoints, log.jsonl, the model in OUT/model); the "
+                         "same command again resumes the run")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="start over in an --out that holds another run")
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--batch-size", type=int, default=16)
     tr.add_argument("--seq-len", type=int, default=512)
     tr.add_argument("--learning-rate", type=float, default=1e-5)
-    tr.add_argument("--block-size", type=int, default=None)
+    tr.add_argument("--block-size", type=int, default=None,
+                    help="block size to train with (default: the model's); the exported config "
+                         "says it")
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--log-every", type=int, default=50, help="steps between log.jsonl records")
+    tr.add_argument("--checkpoint-every", type=int, default=None,
+                    help="also save a checkpoint every N steps")
+    tr.add_argument("--checkpoint-seconds", type=float, default=180.0,
+                    help="save a checkpoint at least this often (default 180; also at the end "
+                         "and on Ctrl-C)")
     tr.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="generate for three held-out prompts with the default model")
