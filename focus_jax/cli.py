@@ -8,7 +8,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from focus_jax.compilation import Compilations
 from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
+from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.tasks import WORKED
 
@@ -47,8 +49,42 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     parser.add_argument("--no-chat", action="store_true",
                         help="do not apply the tokenizer's chat template")
-    parser.add_argument("--stats", action="store_true", help="print decoding statistics")
+    parser.add_argument("--bucket-ladder", default=None,
+                        help="compaction bucket sizes as fractions of slots x block, "
+                             "comma-separated (default: the platform's)")
+    parser.add_argument("--stats", action="store_true",
+                        help="print decoding and compilation statistics")
+    _add_compile_cache_option(parser)
     _add_distribution_options(parser)
+
+
+def _add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs between runs (default: kept in "
+                             "$FOCUS_JAX_CACHE_DIR, else ~/.cache/focus_jax/xla)")
+
+
+def _compile_cache(args: argparse.Namespace) -> Path | None:
+    """Turn the persistent compilation cache on (or off, with --no-compile-cache) before any
+    compilation; returns its folder."""
+    import jax
+
+    from focus_jax import compilation
+
+    if args.no_compile_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+    return compilation.use_persistent_cache()
+
+
+def _ladder(text: str | None) -> dict[str, tuple[float, ...]]:
+    """``--bucket-ladder`` as GenerationConfig arguments (none when not given)."""
+    if text is None:
+        return {}
+    try:
+        return {"bucket_ladder": tuple(float(f) for f in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--bucket-ladder {text!r} must be comma-separated fractions, e.g. "
+                          f"0.25,0.5,1") from None
 
 
 def _add_distribution_options(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +98,9 @@ def _add_distribution_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-id", type=int, default=None)
     parser.add_argument("--distributed", action="store_true",
                         help="multi-process with arguments found by JAX (TPU pods, SLURM)")
+    parser.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_SECONDS,
+                        help="seconds to wait for all processes to join (default "
+                             f"{JOIN_TIMEOUT_SECONDS:g}); past it, exit with code 2")
 
 
 def _mesh(args: argparse.Namespace):
@@ -69,9 +108,14 @@ def _mesh(args: argparse.Namespace):
     from focus_jax import distributed
     from focus_jax.sharding import make_mesh, parse_mesh
 
-    if args.distributed or args.coordinator:
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    return make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    sizes = parse_mesh(args.mesh) if args.mesh is not None else None  # before any waiting
+    joining = args.distributed or args.coordinator is not None
+    if not joining and (args.num_processes is not None or args.process_id is not None):
+        raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT")
+    if joining:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               args.join_timeout)
+    return make_mesh(**sizes) if sizes is not None else None
 
 
 def _generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -79,7 +123,8 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         mode=args.mode, block_size=args.block_size, threshold=args.threshold, alpha=args.alpha,
         unmasking=args.unmasking, denoising_steps=args.denoising_steps,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, max_batch=args.max_batch)
+        top_p=args.top_p, seed=args.seed, max_batch=args.max_batch,
+        **_ladder(args.bucket_ladder))
 
 
 def load_model(path: Path | None, dtype: str | None = None, mesh=None):
@@ -116,24 +161,35 @@ def format_stats(stats: RunStats, num_layers: int) -> str:
     return "\n".join(lines)
 
 
+def format_compilations(compiled: Compilations, cache: Path | None) -> str:
+    """One line: programs compiled and read back from the persistent cache, and its folder."""
+    where = f"persistent cache {cache}" if cache else "persistent cache off"
+    return (f"compilation: {compiled.compiled} programs compiled, {compiled.loaded} read from "
+            f"the {where}, {compiled.seconds:.2f}s")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
+    from focus_jax.compilation import count_compilations
     from focus_jax.distributed import is_primary
+    from focus_jax.prompts import read_prompts_file
 
-    mesh = _mesh(args)
-    model = load_model(args.model, args.dtype, mesh)
+    # Everything that needs no model and no other process is checked first.
+    config = _generation_config(args)
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines()
-                    if line.strip()]
+        prompts += read_prompts_file(Path(args.prompts_file))
     if not prompts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
-    config = _generation_config(args)
+    cache = _compile_cache(args)
+    mesh = _mesh(args)
+    model = load_model(args.model, args.dtype, mesh)
     stream = len(prompts) == 1 and not args.no_stream and is_primary()
     printer = _StreamPrinter(model.tokenizer) if stream else None
-    results, stats = generate(model, prompts, config, chat=not args.no_chat,
-                              progress=not stream and is_primary(), on_tokens=printer,
-                              return_stats=True, mesh=mesh)
+    with count_compilations() as compiled:
+        results, stats = generate(model, prompts, config, chat=not args.no_chat,
+                                  progress=not stream and is_primary(), on_tokens=printer,
+                                  return_stats=True, mesh=mesh)
     if not is_primary():
         return 0
     if stream:
@@ -143,6 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"### {prompt}\n{result.text}\n")
     if args.stats:
         print(format_stats(stats, model.config.num_layers), file=sys.stderr)
+        print(format_compilations(compiled, cache), file=sys.stderr)
     return 0
 
 
@@ -180,10 +237,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
 
-    model = load_model(args.model)
     config = GenerationConfig(mode="focus", max_new_tokens=args.max_new_tokens,
-                              block_size=None if model.config.block_size else 8,
                               bucket_ladder=DEMO_LADDER)
+    _compile_cache(args)
+    model = load_model(args.model)
+    if not model.config.block_size:
+        config = config.replace(block_size=8)
     for prompt in DEMO_PROMPTS:
         print(f">>> {prompt}")
         printer = _StreamPrinter(model.tokenizer)
@@ -196,13 +255,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from focus_jax import evaluate, tasks
 
-    model = load_model(args.model, args.dtype)
+    _require_positive(args, "per_task", "max_batch", "max_new_tokens", "alpha")
     names = tuple(args.tasks.split(","))
     unknown = [t for t in names if t not in tasks.TASKS]
     if unknown:
         raise ConfigError(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")
+    modes = _modes(args.modes)
+    _compile_cache(args)
+    model = load_model(args.model, args.dtype)
     reports = evaluate.evaluate(model, tasks.held_out(args.per_task, tasks=names),
-                                args.modes.split(","), max_batch=args.max_batch,
+                                modes, max_batch=args.max_batch,
                                 max_new_tokens=args.max_new_tokens, alpha=args.alpha,
                                 progress=True)
     table = evaluate.markdown(reports)
@@ -225,17 +287,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from focus_jax import bench
     from focus_jax.distributed import is_primary
 
+    # Every option is checked before the peak measurement and the model (minutes on a CPU).
+    batches = _positive_integers("--batches", args.batches)
+    modes = _modes(args.modes)
+    _require_positive(args, "requests_per_slot", "max_new_tokens")
+    ladder = _ladder(args.bucket_ladder)
+    GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
+    _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
     model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
     peak = bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
-        f"measured bf16 peak {peak / 1e12:.0f} TFLOP/s")
-    ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
-              if args.bucket_ladder else {})
+        f"measured bf16 peak {peak / 1e12:.3g} TFLOP/s")
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
+    for batch in batches:
+        for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
                            args.max_new_tokens, mesh=mesh, **ladder):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
@@ -256,6 +323,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if args.json and is_primary():
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _positive_integers(option: str, text: str) -> list[int]:
+    """A comma-separated option of integers >= 1."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} {text!r} must be comma-separated integers >= 1, e.g. 32,64")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    """``--modes``: comma-separated decoding modes."""
+    modes = text.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ConfigError(f"--modes: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    return modes
 
 
 def _require_positive(args: argparse.Namespace, *names: str) -> None:
@@ -333,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, default=128,
                     help="the worked answers run to about 100 tokens")
     ev.add_argument("--markdown", help="also write the tables to this file")
+    _add_compile_cache_option(ev)
     ev.set_defaults(func=cmd_eval)
 
     be = sub.add_parser("bench", help="closed-loop throughput of the modes")
@@ -346,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--bucket-ladder", default=None,
                     help="compaction bucket sizes as fractions of slots x block, comma-separated")
     be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
+    _add_compile_cache_option(be)
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)
 
@@ -377,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate for three held-out prompts with the default model")
     demo.add_argument("--model", type=Path, default=None)
     demo.add_argument("--max-new-tokens", type=int, default=128)
+    _add_compile_cache_option(demo)
     demo.set_defaults(func=cmd_demo)
     return parser
 
@@ -385,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RequestError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, RequestError, OSError, ValueError) as err:
         print(f"focus-jax: error: {err}", file=sys.stderr)
         return 2
 

@@ -17,15 +17,15 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from focus_jax import decoding, sharding
+from focus_jax import compilation, decoding, sharding
 from focus_jax.compaction import bucket_ladder
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.distributed import to_host
 from focus_jax.model import Model
+from focus_jax.prompts import token_ids
 from focus_jax.unmasking import Sampler
 
 
@@ -180,7 +180,8 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
         # Each data shard compacts its own slots' rows (decoding.step).
         data_shards = mesh.shape["data"] if mesh is not None else 1
-        ladder = bucket_ladder(slots // data_shards * block, config.bucket_ladder)
+        ladder = bucket_ladder(slots // data_shards * block,
+                               config.ladder_for(jax.default_backend()))
         self.settings = decoding.DecodeSettings(
             mode=config.mode, block_size=block, mask_token_id=model.mask_token_id,
             threshold=config.resolved_threshold, alpha=config.alpha,
@@ -211,17 +212,17 @@ class Engine:
         self._slot_request: list[_Request | None] = [None] * slots
         self._results: dict[int, Result] = {}
         self._next_id = 0
-        prefill, decode_round = programs(devices[0].platform)
-        self._prefill = functools.partial(prefill, model.graphdef, block,
-                                          self.settings.mask_token_id)
-        self._round = functools.partial(decode_round, model.graphdef, self.settings,
-                                        config.steps_per_round)
+        platform = devices[0].platform
+        self._prefill = compilation.prefill_program(platform, model.graphdef, self.settings,
+                                                    slots, self.cache_len)
+        self._round = compilation.decode_round_program(platform, model.graphdef, self.settings,
+                                                       config.steps_per_round, slots,
+                                                       self.cache_len)
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this engine's model, settings and state (to inspect
         its compiled program: memory, HLO, cost)."""
-        return self._round.func.lower(*self._round.args, self.model.params, self.state,
-                                      np.asarray(False))
+        return self._round.lower(self.model.params, self.state, np.asarray(False))
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need (the decode round, with all its bucket branches,
@@ -251,9 +252,10 @@ class Engine:
         """Queue a tokenized prompt; returns its request id.
 
         ``on_tokens(request_id, new_token_ids)`` is called as blocks complete (streaming).
-        Raises :class:`RequestError` if the request cannot fit the cache.
+        Raises :class:`RequestError` if the request cannot fit the cache, ``TypeError`` for
+        ids that are not integers.
         """
-        prompt = [int(t) for t in prompt]
+        prompt = token_ids(prompt)
         max_new = max_new_tokens or self.config.max_new_tokens
         if not prompt:
             raise RequestError("empty prompt: give at least one token")
@@ -426,42 +428,3 @@ def check_state_fits(state: decoding.DecodeState, devices: Sequence[jax.Device],
             f"KV cache) needs {needed / gib:.1f} GiB per device, but {free / gib:.1f} GiB are "
             f"free: use fewer slots (batch size) or a shorter cache (shorter prompts or fewer "
             f"max_new_tokens)")
-
-
-# XLA options for the serving programs on GPUs. Every layer's weights are a slice of the stacked
-# weights; by default XLA copies each slice out (a memcpy of the layer's weights, every layer of
-# every step: 7.5 ms of a 72 ms sdar-8b batch-256 step). Dynamic-slice fusion lets a cuBLAS GEMM
-# read its slice in place, but XLA's Triton GEMM fusions take no part in it, so those are off
-# (docs/benchmarks.md, "Weight reads"). XLA's dot merger would join the q, k and v projections
-# into one GEMM on a weight concatenated afresh every layer of every step; three GEMMs reading
-# in place are faster (-0.8 ms per step there).
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True,
-                        "xla_gpu_enable_triton_gemm": False,
-                        "xla_disable_hlo_passes": "dot-merger"}
-
-
-def _prefill(graphdef: nnx.GraphDef, block_size: int, mask_token_id: int, params: nnx.State,
-             state: decoding.DecodeState, tokens, length, slot, max_new) -> decoding.DecodeState:
-    return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot, max_new,
-                            block_size, mask_token_id)
-
-
-def _round(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, max_steps: int,
-           params: nnx.State, state: decoding.DecodeState, stop_on_finish):
-    return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,
-                                 stop_on_finish)
-
-
-@functools.cache
-def programs(platform: str) -> tuple[Callable, Callable]:
-    """The jitted prefill and decode round for devices of ``platform`` ("gpu", "cpu", "tpu").
-
-    Arguments: ``(graphdef, block_size, mask_token_id, params, state, tokens, length, slot,
-    max_new)`` and ``(graphdef, settings, max_steps, params, state, stop_on_finish)``. Compiled
-    programs are cached by (graphdef, settings, shapes), so engines with the same settings share
-    them; the decode state is donated (updated in place).
-    """
-    options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
-    jit = functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,),
-                            compiler_options=options)
-    return jit(_prefill), jit(_round)

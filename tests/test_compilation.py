@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from focus_jax import GenerationConfig
-from focus_jax.bench import count_compilations
+from focus_jax.compilation import count_compilations
 from focus_jax.decoding import DecodeState, step
 from focus_jax.engine import Engine
 from focus_jax.testing import random_prompts, tiny_model
@@ -22,13 +22,13 @@ def test_long_run_compiles_nothing_after_warmup(model, mode):
         engine.warmup()
     # One decode program (all bucket branches of both compactions inside it) and one prefill
     # program per prompt-length bucket.
-    assert 1 <= len(warmup) <= 1 + len(engine_prompt_buckets(engine))
+    assert 1 <= warmup.programs <= 1 + len(engine_prompt_buckets(engine))
     with count_compilations() as serving:
         for prompt in random_prompts(14, 128, 1, 40, seed=21):  # more prompts than slots
             engine.submit(prompt)
         results = engine.run()
     assert len(results) == 14
-    assert serving == []
+    assert serving.programs == 0
     # Every token-step is some request's: per-request totals (commit steps included) add up.
     for field in ("processed_tokens", "retained_tokens"):
         per_request = [getattr(r.stats, field) for r in results.values()]
@@ -88,9 +88,9 @@ def test_bench_counts_no_compilation_after_warmup_and_splits_the_wall_time(model
         # the retained rows.
         assert r.decoded_per_step <= r.sampled_per_step <= r.retained_per_step, r
     # The counter does count: a new shape compiles.
-    with bench.count_compilations() as events:
+    with count_compilations() as events:
         jax.jit(lambda x: x * 3)(jax.numpy.ones(7))
-    assert len(events) >= 1
+    assert events.programs >= 1
 
 
 def test_bench_frees_each_mode_engine_before_the_next(model, monkeypatch):
@@ -136,7 +136,7 @@ def test_decode_round_temporaries_do_not_grow_with_depth():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's GPU dynamic-slice fusion")
 @pytest.mark.parametrize("mode", ["baseline", "focus"])
 def test_gpu_layer_loop_reads_weights_in_place(mode):
-    """On GPUs (engine.GPU_COMPILER_OPTIONS) the layer loop of layers >= 2 copies no layer's
+    """On GPUs (compilation.GPU_COMPILER_OPTIONS) the layer loop of layers >= 2 copies no layer's
     weights out of the stack: each slice at the loop's layer index (a dynamic slice) lives in a
     dynamic-slice fusion, the operand of the GEMM that reads it in place (a concatenation, such
     as XLA's dot merger, now off in those options, makes of projections sharing their input, is
