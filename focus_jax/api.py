@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 from jax.sharding import Mesh
 
+from focus_jax import compilation
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.engine import Engine, RequestError, Result, RunStats, cache_length
 from focus_jax.model import Model
@@ -31,6 +32,7 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     Raises ``TypeError`` for a prompt that is neither text nor token ids (bytes, a dict, float
     ids), :class:`RequestError` for one the model cannot take and ``ConfigError`` for settings.
     """
+    compilation.use_persistent_cache()  # before the first compilation, the state's included
     config = GenerationConfig() if config is None else config
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")

@@ -236,19 +236,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
+    from focus_jax.compilation import count_compilations
 
     config = GenerationConfig(mode="focus", max_new_tokens=args.max_new_tokens,
                               bucket_ladder=DEMO_LADDER)
-    _compile_cache(args)
+    cache = _compile_cache(args)
     model = load_model(args.model)
     if not model.config.block_size:
         config = config.replace(block_size=8)
-    for prompt in DEMO_PROMPTS:
-        print(f">>> {prompt}")
-        printer = _StreamPrinter(model.tokenizer)
-        results, stats = generate(model, prompt, config, on_tokens=printer, return_stats=True)
-        printer.finish(results[0].token_ids)
-        print(format_stats(stats, model.config.num_layers) + "\n")
+    with count_compilations() as compiled:
+        for prompt in DEMO_PROMPTS:
+            print(f">>> {prompt}")
+            printer = _StreamPrinter(model.tokenizer)
+            results, stats = generate(model, prompt, config, on_tokens=printer,
+                                      return_stats=True)
+            printer.finish(results[0].token_ids)
+            print(format_stats(stats, model.config.num_layers) + "\n")
+    print(format_compilations(compiled, cache))
     return 0
 
 
