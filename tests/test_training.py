@@ -202,17 +202,6 @@ def test_checkpoints_are_saved_every_n_steps_by_time_and_at_the_end(tmp_path, mo
     assert steps == saved
 
 
-def test_the_exported_config_says_the_block_size_trained_with(tmp_path):
-    import focus_jax
-
-    model = tiny_model(tokenizer=True, block_size=8)
-    source = TaskSource(model, batch_size=2, length=48, task_names=("copy",))
-    cfg = TrainConfig(steps=1, warmup_steps=0, block_size=4, compute_dtype="float32")
-    trained = train(model, source, cfg, tmp_path / "run", progress=False)
-    assert trained.config.block_size == 4
-    assert focus_jax.load(tmp_path / "run" / "model").config.block_size == 4
-
-
 def test_fine_tuning_on_user_pairs_lowers_the_loss(tmp_path):
     import json
 

@@ -84,13 +84,21 @@ class TrainConfig:
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with warm-up and cosine decay. The same object for the same settings: it is a
+    static argument of the compiled step, so a second run in the process compiles nothing."""
+    return _optimizer(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.grad_clip,
+                      cfg.weight_decay)
+
+
+@functools.cache
+def _optimizer(learning_rate: float, warmup_steps: int, steps: int, grad_clip: float,
+               weight_decay: float) -> optax.GradientTransformation:
     # optax needs at least one step of warm-up and one of decay (a one-step run included).
-    warmup = max(cfg.warmup_steps, 1)
+    warmup = max(warmup_steps, 1)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
-        end_value=cfg.learning_rate * 0.1)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(schedule, b2=0.98, weight_decay=cfg.weight_decay))
+        0.0, learning_rate, warmup, max(steps, warmup + 1), end_value=learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(grad_clip),
+                       optax.adamw(schedule, b2=0.98, weight_decay=weight_decay))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +138,10 @@ def step_and_state(model: Model, cfg: TrainConfig) -> tuple[Callable[..., Any], 
     options = _LossOptions(cfg.block_size, model.mask_token_id, cfg.compute_dtype,
                            cfg.truncate_prob, cfg.stale_prob, cfg.delayed_prob)
     step = functools.partial(_train_step, model.graphdef, tx, options)
-    return step, params, tx.init(params)
+    # Committed to the device as the step's outputs are, so that the first step compiles the
+    # program the later ones run (a loaded model's weights are committed, a new model's not).
+    device = jax.devices()[0]
+    return step, jax.device_put(params, device), jax.device_put(tx.init(params), device)
 
 
 def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Path, *,
