@@ -33,7 +33,7 @@ from flax import nnx
 import focus_jax
 from focus_jax import evaluate, tasks
 from focus_jax.checkpoint import replacing
-from focus_jax.config import ModelConfig
+from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
 from focus_jax.models.params import save_safetensors
 from focus_jax.models.qwen3 import Decoder
@@ -134,7 +134,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         if args.workers:
             source = stack.enter_context(Prefetch(source, args.workers))
-        trained = train(model, source, train_cfg, args.out / "run", overwrite=args.overwrite)
+        try:
+            trained = train(model, source, train_cfg, args.out / "run", overwrite=args.overwrite)
+        except ConfigError as err:  # another run in --out
+            parser.error(str(err))
     export(trained, args.out / "focus-tiny", args.export_dtype)
     if args.eval_per_task:
         reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task, tasks=task_names),

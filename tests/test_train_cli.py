@@ -96,6 +96,30 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(model_dir, 
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_ctrl_c_saves_and_says_the_same_command_resumes(model_dir, data, finished, tmp_path,
+                                                       monkeypatch, capsys):
+    import signal
+
+    import focus_jax.train.trainer as trainer
+
+    out, calls, step = tmp_path / "run", [], trainer._train_step
+
+    def step_then_ctrl_c(*args):
+        calls.append(None)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(*args)
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_ctrl_c)
+    assert main(command(model_dir, data, out)) == 130
+    assert "interrupted at step 3 of 6" in capsys.readouterr().err
+    monkeypatch.setattr(trainer, "_train_step", step)
+    assert main(command(model_dir, data, out)) == 0
+    assert logged_steps(out) == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(weights(finished / "model"), weights(out / "model"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_finished_run_trains_nothing_more_and_another_run_is_refused(model_dir, data, finished,
                                                                        tmp_path, capsys):
     out = tmp_path / "run"

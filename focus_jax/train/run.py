@@ -39,7 +39,7 @@ def weights_digest(params: nnx.State) -> str:
     return digest.hexdigest()
 
 
-def describe(record: dict[str, Any]) -> dict[str, Any]:
+def as_stored(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` as ``run.json`` stores it (JSON's types: a tuple reads back as a list)."""
     return json.loads(json.dumps(record))
 
@@ -83,7 +83,7 @@ def prepare(out: Path, record: dict[str, Any], overwrite: bool = False) -> None:
     ``overwrite``, which removes that run's files and starts this one.
     """
     check_folder(out)
-    record = describe(record)
+    record = as_stored(record)
     stored_file = out / RUN_FILE
     if stored_file.exists():
         change = difference(read_json(stored_file), record)

@@ -197,13 +197,14 @@ def train(model: Model, source: BatchSource, cfg: TrainConfig, out_dir: str | Pa
                                 acc=f"{record['masked_accuracy']:.3f}")
             now = time.perf_counter()
             out_of_time = cfg.max_seconds is not None and now - began > cfg.max_seconds
-            if (step == cfg.steps or out_of_time or interrupted()
+            stop = interrupted()  # read once: a Ctrl-C from here on waits for the next step
+            if (step == cfg.steps or out_of_time or stop
                     or (cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0)
                     or (cfg.checkpoint_seconds is not None and now - saved >= cfg.checkpoint_seconds)):
                 manager.save(step, args=ocp.args.StandardSave({"params": params,
                                                                "opt_state": opt_state}))
                 saved = now
-            if interrupted():
+            if stop:
                 manager.wait_until_finished()
                 raise KeyboardInterrupt(f"interrupted at step {step} of {cfg.steps}; the "
                                         f"checkpoint is saved in {out}: the same command resumes")
