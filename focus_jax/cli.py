@@ -19,10 +19,6 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tin
 DEMO_PROMPTS = ("Add: 257+468", "Reverse: p a l l a s",
                 "Ana has 12 apples, gets 9 more, gives away 6 and gets 3 more. "
                 "How many apples does Ana have now?")
-# The demo's compaction buckets: three prompts run once, so compiling the step dominates, and
-# four buckets per compaction compile in a third of the default ladder's time (about 16 s
-# against 55 s for the bundled model on a 2-core CPU).
-DEMO_LADDER = (0.25, 0.5, 0.75, 1.0)
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -238,8 +234,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
     from focus_jax.compilation import count_compilations
 
-    config = GenerationConfig(mode="focus", max_new_tokens=args.max_new_tokens,
-                              bucket_ladder=DEMO_LADDER)
+    config = GenerationConfig(mode="focus", max_new_tokens=args.max_new_tokens)
     cache = _compile_cache(args)
     model = load_model(args.model)
     if not model.config.block_size:

@@ -24,7 +24,7 @@ from jax import monitoring
 
 from focus_jax import decoding
 
-PROGRAM_CAPACITY = 16
+PROGRAM_CAPACITY = 8
 """Jitted programs (a prefill or a decode round, per setting and state shape) kept per process."""
 
 CACHE_DIR_ENV = "FOCUS_JAX_CACHE_DIR"
