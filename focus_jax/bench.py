@@ -8,42 +8,24 @@ wall time of the whole run (prompt tokens not counted), after warm-up compilatio
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import monitoring
 from jax.sharding import Mesh
 
-from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig
+from focus_jax.compilation import count_compilations
+from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig, check_integer
 from focus_jax.engine import Engine, run_to_completion
 from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
 
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compilations() -> Iterator[list[str]]:
-    """Collects one entry per XLA backend compilation while the block runs."""
-    events: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: object) -> None:
-        if event == BACKEND_COMPILE:
-            events.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
 
 
 def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX) -> list[int]:
@@ -75,8 +57,10 @@ def layer_flops_per_token(cfg: ModelConfig) -> int:
     return 2 * (e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * cfg.intermediate_size)
 
 
-def measured_bf16_peak(size: int = 8192, repeats: int = 10) -> float:
-    """FLOP/s of a large bf16 matmul on the default device (random data)."""
+def measured_bf16_peak(size: int | None = None, repeats: int = 10) -> float:
+    """FLOP/s of a large bf16 matmul on the default device (random data). Default size 8192,
+    1024 on CPUs (where 8192 takes over a minute and the peak is near 0.1 TFLOP/s)."""
+    size = size or (1024 if jax.default_backend() == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
@@ -128,7 +112,8 @@ class BenchResult(_Throughput):
     host_seconds: float
     """Host time between decode rounds (the device idle)."""
     compilations: int
-    """XLA compilations during the timed run (after warm-up): should be 0."""
+    """Programs compiled (or read from the persistent compilation cache) during the timed run,
+    after warm-up: should be 0."""
 
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation over the whole run (prefill and host time included)."""
@@ -145,14 +130,15 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding."""
     cfg = model.config
     block = block_size or cfg.block_size or 32
+    configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
+                                stop_token_ids=(), **generation) for mode in modes]
+    check_integer("batch", batch, minimum=1)
+    check_integer("requests", requests, minimum=1)
     lengths = prompt_lengths(requests, seed)
     prompts = random_prompts(cfg, lengths, seed + 1)
     cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
-    return [_run_mode(model, GenerationConfig(mode=mode, block_size=block,
-                                              max_new_tokens=max_new_tokens, stop_token_ids=(),
-                                              **generation),
-                      batch, prompts, cache_len, progress, mesh)
-            for mode in modes]
+    return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh)
+            for config in configs]
 
 
 def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[list[int]],
@@ -180,7 +166,7 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         sampled_per_step=s.sampled_tokens / steps,
         model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
         prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
-        compilations=len(compilations))
+        compilations=compilations.programs)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -254,4 +240,4 @@ def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_to
         per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
                                for s, n in zip(stats, tokens, strict=True)]),
         latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
-        compilations=len(compilations))
+        compilations=compilations.programs)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from focus_jax import decoding, engine, sharding, tpu
+from focus_jax import compilation, decoding, engine, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.core import decode_settings
@@ -126,7 +126,7 @@ class ProgramReport:
 def settings(target: Target, mesh: Mesh | None) -> decoding.DecodeSettings:
     """The decode settings the engine would build for the target (see ``Engine.__init__``)."""
     config = target.generation.replace(kernels=target.kernels)
-    return decode_settings(config, _mask_token(target.cfg), target.slots, mesh)
+    return decode_settings(config, _mask_token(target.cfg), target.slots, "tpu", mesh)
 
 
 def _mask_token(cfg: ModelConfig) -> int:
@@ -157,25 +157,25 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
     graphdef, params, state = _shapes(target)
     params = tpu.abstract(params, sharding.param_shardings(params, mesh))
     state = tpu.abstract(state, sharding.state_sharding(state, mesh))
-    prefill, decode_round, _ = engine.programs("tpu")
+    step = settings(target, mesh)
+    prefill = compilation.prefill_program("tpu", graphdef, step, target.slots, target.positions)
 
     def replicated(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
-    n, block, mask = target.prefill_batch, target.block_size, _mask_token(target.cfg)
+    n, block = target.prefill_batch, target.block_size
     rows = replicated((n,), jnp.int32)
     slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype), slot_params_rows([], n))
     for length in target.prompt_buckets:
-        result = tpu.compile_program(mesh, prefill, graphdef, block, mask, params, state,
+        result = tpu.compile_program(mesh, prefill, params, state,
                                      replicated((n, length), jnp.int32), rows, rows, slot_params)
         yield ProgramReport(f"prefill {n}x{length}", result,
                             prefill_flops(target.cfg, n, length, block), target.hbm_bytes)
     if not decode:
         return
-    step = settings(target, mesh)
-    result = tpu.compile_program(mesh, decode_round, graphdef, step,
-                                 target.generation.steps_per_round, params, state,
-                                 replicated((), jnp.bool_))
+    decode_round = compilation.decode_round_program(
+        "tpu", graphdef, step, target.generation.steps_per_round, target.slots, target.positions)
+    result = tpu.compile_program(mesh, decode_round, params, state, replicated((), jnp.bool_))
     yield ProgramReport("decode round", result, decode_flops_range(target)[0], target.hbm_bytes)
 
 

@@ -378,7 +378,7 @@ class _Layers:
             row_position, target = self.position[rows], self._cache_target(rows, valid)
 
             # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
-            # dynamic-slice fusion (on with engine.GPU_COMPILER_OPTIONS), which lets the GEMMs
+            # dynamic-slice fusion (on with compilation.GPU_COMPILER_OPTIONS), which lets the GEMMs
             # read each layer's weights in place in the stack, takes only offsets computed from
             # a loop counter (docs/benchmarks.md, "Weight reads").
             def layer(layer_index, carry):

@@ -71,8 +71,9 @@ class Engine:
                                     else model.stop_token_ids)
         if mesh is not None:
             sharding.check_divisible(cfg, mesh, slots)
+        devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
-                                        slots, mesh)
+                                        slots, devices[0].platform, mesh)
         ladder = self.settings.processed_ladder
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or min(slots, 8),
@@ -216,14 +217,15 @@ class Engine:
         return self.runner.lower_round()
 
 
-def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int,
+def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, platform: str,
                     mesh: Mesh | None = None) -> decoding.DecodeSettings:
     """The static settings of the decode programs for ``config`` (its block size set) on
-    ``slots`` slots: the policies of its mode, the bucket ladders, the kernels."""
+    ``slots`` slots of ``platform`` devices: the policies of its mode, the bucket ladders (the
+    platform's default unless ``config`` names one), the kernels."""
     block = config.block_size
     # Each data shard compacts its own slots' rows (decoding.step).
     data_shards = mesh.shape["data"] if mesh is not None else 1
-    ladder = bucket_ladder(slots // data_shards * block, config.bucket_ladder)
+    ladder = bucket_ladder(slots // data_shards * block, config.ladder_for(platform))
     # On a mesh the step calls each kernel through its sharded entry point.
     policies = Policies.for_mode(config.mode, config.unmasking,
                                  decoding.tokens_per_step(block, config.denoising_steps),

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from focus_jax import decoding, sharding
+from focus_jax import compilation, decoding, sharding
 from focus_jax.config import ConfigError
 from focus_jax.distributed import to_host
 from focus_jax.engine.output import RoundCopy
@@ -73,11 +72,12 @@ class Runner:
             self.state = jax.jit(make_state,
                                  out_shardings=SingleDeviceSharding(devices[0]))()
         self.model = model
-        prefill, decode_round, release = programs(devices[0].platform)
-        self._prefill = functools.partial(prefill, model.graphdef, settings.block_size,
-                                          settings.mask_token_id)
-        self._round = functools.partial(decode_round, model.graphdef, settings, steps_per_round)
-        self._release = release
+        platform = devices[0].platform
+        self._prefill = compilation.prefill_program(platform, model.graphdef, settings, slots,
+                                                    cache_len)
+        self._round = compilation.decode_round_program(platform, model.graphdef, settings,
+                                                       steps_per_round, slots, cache_len)
+        self._release = compilation.release_program
 
     def prompt_bucket(self, length: int) -> int:
         """The padded length a prompt of ``length`` tokens is prefilled at."""
@@ -121,8 +121,7 @@ class Runner:
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its
         compiled program: memory, HLO, cost)."""
-        return self._round.func.lower(*self._round.args, self.model.params, self.state,
-                                      np.asarray(False))
+        return self._round.lower(self.model.params, self.state, np.asarray(False))
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
@@ -159,44 +158,3 @@ def check_state_fits(state: decoding.DecodeState, devices: Sequence[jax.Device],
             f"KV cache) needs {needed / gib:.1f} GiB per device, but {free / gib:.1f} GiB are "
             f"free: use fewer slots (batch size) or a shorter cache (shorter prompts or fewer "
             f"max_new_tokens)")
-
-
-# XLA options for the serving programs on GPUs. Every layer's weights are a slice of the stacked
-# weights; by default XLA copies each slice out (a memcpy of the layer's weights, every layer of
-# every step: 7.5 ms of a 72 ms sdar-8b batch-256 step). Dynamic-slice fusion lets a cuBLAS GEMM
-# read its slice in place, but XLA's Triton GEMM fusions take no part in it, so those are off
-# (docs/benchmarks.md, "Weight reads"). XLA's dot merger would join the q, k and v projections
-# into one GEMM on a weight concatenated afresh every layer of every step; three GEMMs reading
-# in place are faster (-0.8 ms per step there).
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True,
-                        "xla_gpu_enable_triton_gemm": False,
-                        "xla_disable_hlo_passes": "dot-merger"}
-
-
-def _prefill(graphdef: nnx.GraphDef, block_size: int, mask_token_id: int, params: nnx.State,
-             state: decoding.DecodeState, tokens, length, slot,
-             slot_params: decoding.SlotParams) -> decoding.DecodeState:
-    return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot, slot_params,
-                            block_size, mask_token_id)
-
-
-def _round(graphdef: nnx.GraphDef, settings: decoding.DecodeSettings, max_steps: int,
-           params: nnx.State, state: decoding.DecodeState, stop_on_finish):
-    return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,
-                                 stop_on_finish)
-
-
-@functools.cache
-def programs(platform: str) -> tuple[Callable, Callable, Callable]:
-    """The jitted prefill, decode round and release for devices of ``platform`` ("gpu", "cpu",
-    "tpu").
-
-    Arguments: ``(graphdef, block_size, mask_token_id, params, state, tokens, length, slot,
-    slot_params)``, ``(graphdef, settings, max_steps, params, state, stop_on_finish)`` and
-    ``(state, slots)``. Compiled programs are cached by (graphdef, settings, shapes), so engines
-    with the same settings share them; the decode state is donated (updated in place).
-    """
-    options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
-    jit = functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,),
-                            compiler_options=options)
-    return jit(_prefill), jit(_round), jax.jit(decoding.release, donate_argnums=(0,))
