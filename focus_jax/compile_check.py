@@ -75,7 +75,7 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
     if mesh is None and slice_.chips > 1:
         raise ConfigError(f"{slice_.name} has {slice_.chips} chips: give --mesh data=D,model=M "
                           f"(D x M chips; data=1,model=1 for one of them)")
-    sizes = sharding.parse_mesh(mesh or "")
+    sizes = sharding.parse_mesh(mesh) if mesh else {"data": 1, "model": 1}
     if sizes["data"] * sizes["model"] > slice_.chips:
         raise ConfigError(f"mesh {mesh} needs {sizes['data'] * sizes['model']} chips, "
                           f"{slice_.name} has {slice_.chips}")
