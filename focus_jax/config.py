@@ -26,8 +26,9 @@ DEFAULT_THRESHOLD = {"baseline": 0.9, "delayed": 0.9, "focus": 0.8}
 DEFAULT_LADDER = (tuple(k / 32 for k in range(1, 8)) + tuple(k / 16 for k in range(4, 8))
                   + tuple(k / 8 for k in range(4, 9)))
 # On CPUs compiling the decode round dominates a short run, and padding costs little there: on 2
-# cores the bundled model's round at 64 slots compiles in 45 / 20 / 13 / 10 CPU-seconds with 16 /
-# 8 / 4 / 2 buckets and decodes 64 held-out questions in 16.0 / 16.2 / 17.0 / 22.8 (docs/startup.md).
+# cores the bundled model's round at 64 slots compiles in 45.6 / 20.8 / 14.3 / 9.4 CPU-seconds
+# with 16 / 8 / 4 / 2 buckets and decodes 64 held-out questions in 16.5 / 16.9 / 16.9 / 22.4
+# (docs/startup.md).
 CPU_LADDER = (0.25, 0.5, 0.75, 1.0)
 
 Mode = Literal["baseline", "delayed", "focus"]
