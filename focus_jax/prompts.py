@@ -13,6 +13,7 @@ import numpy as np
 
 from focus_jax.config import ConfigError, is_integer
 from focus_jax.model import Model
+from focus_jax.textfiles import read_lines
 
 Prompt = str | Sequence[int] | np.ndarray
 """Text, or token ids: a list or tuple of integers (Python or NumPy) or a 1-D integer array."""
@@ -78,14 +79,5 @@ def encode_prompt(model: Model, prompt: Prompt, chat: bool = True,
 def read_prompts_file(path: Path) -> list[str]:
     """The prompts of a text file, one per non-blank line; a missing file, a folder or bytes
     that are not UTF-8 are a ``ConfigError`` naming the file (and line)."""
-    if not path.is_file():
-        raise ConfigError(f"{path} {'is a folder' if path.is_dir() else 'does not exist'}: give "
-                          f"a text file with one prompt per line")
-    content = path.read_bytes()
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = content[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text") from None
-    # Split on newlines only: str.splitlines also splits at U+2028 and other separators.
-    return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+    lines, _ = read_lines(path, "a text file with one prompt per line")
+    return [line for line in lines if line.strip()]
