@@ -103,10 +103,10 @@ def test_numpy_token_ids_are_taken_like_lists(model):
     assert len(rows) == 2 and rows[0].token_ids == expected.token_ids
 
 
-def test_engine_submit_refuses_float_token_ids(model):
+def test_engine_add_request_refuses_float_token_ids(model):
     engine = Engine(model, SMALL, slots=1, cache_len=16)
     with pytest.raises(TypeError, match=r"token 1 is 2\.7"):
-        engine.submit([1, 2.7])
+        engine.add_request([1, 2.7])
 
 
 # ----------------------------------------------------------------------- evaluation and bench

@@ -125,7 +125,7 @@ def test_bad_requests_are_refused_with_a_message(model):
     engine = Engine(model, CONFIG, slots=1, cache_len=32)
     with pytest.raises(RequestError, match="cache"):
         engine.add_request([5] * 10, SamplingParams(max_new_tokens=30))
-    with pytest.raises(RequestError, match="integers"):
+    with pytest.raises(TypeError, match="integers"):
         engine.add_request([1.5, 2])
     with pytest.raises(RequestError, match="temperature"):
         SamplingParams(temperature=float("nan"))

@@ -13,12 +13,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
@@ -31,6 +29,7 @@ from focus_jax.engine.runner import Runner
 from focus_jax.engine.scheduler import Request, Scheduler
 from focus_jax.model import Model
 from focus_jax.policies import Policies
+from focus_jax.prompts import token_ids
 
 
 class Engine:
@@ -111,7 +110,8 @@ class Engine:
     def validate(self, prompt: Sequence[int],
                  params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """The prompt as a list of token ids and the request's resolved parameters; raises
-        :class:`RequestError` for a request this engine cannot serve. Reads only the engine's
+        :class:`RequestError` for a request this engine cannot serve (``TypeError`` for ids that
+        are not integers). Reads only the engine's
         configuration (safe from any thread)."""
         ids = _token_ids(prompt, self.model.config.vocab_size)
         resolved = (params or SamplingParams()).resolved(self.config, self.stop_token_ids)
@@ -236,16 +236,13 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
 
 
 def _token_ids(prompt: Sequence[int], vocab: int) -> list[int]:
-    """A prompt's token ids as Python ints (lists, tuples, NumPy integer arrays)."""
-    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
-        raise RequestError(f"a prompt must be a sequence of token ids, got {type(prompt).__name__}")
-    if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
-        raise RequestError(f"a prompt must be one sequence of token ids, got shape {prompt.shape}")
-    ids = []
-    for t in prompt:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
-            raise RequestError(f"prompt token ids must be integers, got {t!r}")
-        ids.append(int(t))
+    """A prompt's token ids as Python ints (lists, tuples, NumPy integer arrays): ``TypeError``
+    for anything but integers (:func:`focus_jax.prompts.token_ids`), :class:`RequestError` for
+    ids this model cannot take."""
+    if isinstance(prompt, str):
+        raise TypeError("a prompt for the engine is token ids: encode text first "
+                        "(focus_jax.encode_prompt)")
+    ids = token_ids(prompt)
     if not ids:
         raise RequestError("empty prompt: give at least one token")
     if min(ids) < 0 or max(ids) >= vocab:
