@@ -22,6 +22,7 @@ import numpy as np
 from focus_jax import tasks
 from focus_jax.config import ConfigError
 from focus_jax.model import Model
+from focus_jax.prompts import read_lines
 
 
 class BatchSource(Protocol):
@@ -181,18 +182,10 @@ def _trailing(ids: list[int], value: int) -> int:
 def read_pairs(path: Path) -> tuple[list[tuple[str, str]], str]:
     """The (prompt, response) pairs of a JSON-lines file, and the SHA-256 of its bytes. Any
     problem is a ``ConfigError`` naming the file and line."""
-    if not path.is_file():
-        raise ConfigError(f"{path} {'is a folder' if path.is_dir() else 'does not exist'}; give "
-                          f'a JSON-lines file of {{"prompt": ..., "response": ...}} objects')
-    content = path.read_bytes()
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = content[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text") from None
+    lines, content = read_lines(path, 'a JSON-lines file of {"prompt": ..., "response": ...} '
+                                      'objects')
     pairs = []
-    # Split on newlines only: str.splitlines also splits inside strings at U+2028 and others.
-    for number, line in enumerate(text.split("\n"), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
