@@ -310,7 +310,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
                    "peak_flops": peak,
-                   "model": str(args.model or args.geometry), "mesh": args.mesh,
+                   "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
+                   "mesh": args.mesh,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             rows.append(row)

@@ -2,10 +2,10 @@
 cache, and JAX's persistent compilation cache, which keeps compiled programs between processes.
 
 ``jax.jit`` with static arguments keeps every combination it has seen, with its executables, for
-the life of the process (170-250 MiB per decode-round setting of the bundled model with the
-16-bucket ladder). Here each setting gets its own jitted function in a least-recently-used cache
-of ``PROGRAM_CAPACITY`` entries; an evicted function's executables are freed once no engine
-holds it.
+the life of the process (37 MiB of RSS per decode-round setting of the bundled model with the
+CPU ladder: docs/startup.md). Here each setting gets its own jitted function in a
+least-recently-used cache of ``PROGRAM_CAPACITY`` entries; an evicted function's executables are
+freed once no engine holds it.
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     timeout aborts the process from C++, which Python cannot catch: the deadline here comes
     first.) Bad arguments, or no coordinator listening, raise ``ConfigError``.
     """
+    if not timeout_seconds > 0:
+        raise ConfigError(f"--join-timeout must be > 0 seconds, got {timeout_seconds}")
     deadline = time.monotonic() + timeout_seconds
     if coordinator is not None:
-        host, port = _check_arguments(coordinator, num_processes, process_id, timeout_seconds)
+        host, port = _check_arguments(coordinator, num_processes, process_id)
         waiting = (f"the other {num_processes - 1} process(es) to join at {coordinator}"
                    if process_id == 0 else
                    f"all {num_processes} processes to join at {coordinator} (process 0 there)")
@@ -67,8 +69,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         watchdog.cancel()
 
 
-def _check_arguments(coordinator: str, num_processes: int | None, process_id: int | None,
-                     timeout_seconds: float) -> tuple[str, int]:
+def _check_arguments(coordinator: str, num_processes: int | None,
+                     process_id: int | None) -> tuple[str, int]:
+    """The coordinator's host and port, once the three arguments are known to fit together."""
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--coordinator {coordinator!r} must be HOST:PORT (e.g. 10.0.0.1:1234)")
@@ -77,8 +80,6 @@ def _check_arguments(coordinator: str, num_processes: int | None, process_id: in
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ConfigError(f"--process-id must lie in 0..{num_processes - 1} and --num-processes "
                           f"be >= 1, got process {process_id} of {num_processes}")
-    if not timeout_seconds > 0:
-        raise ConfigError(f"--join-timeout must be > 0 seconds, got {timeout_seconds}")
     return host.strip("[]"), int(port)
 
 

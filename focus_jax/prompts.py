@@ -13,7 +13,6 @@ import numpy as np
 
 from focus_jax.config import ConfigError, is_integer
 from focus_jax.model import Model
-from focus_jax.textfiles import read_lines
 
 Prompt = str | Sequence[int] | np.ndarray
 """Text, or token ids: a list or tuple of integers (Python or NumPy) or a 1-D integer array."""
@@ -76,8 +75,24 @@ def encode_prompt(model: Model, prompt: Prompt, chat: bool = True,
     return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=False)]
 
 
+def read_lines(path: Path, expected: str) -> tuple[list[str], bytes]:
+    """The lines of a UTF-8 text file and its bytes. A missing file, a folder or bytes that are
+    not UTF-8 are a ``ConfigError`` naming the file (and line); ``expected`` says what to give
+    instead ("a text file with one prompt per line")."""
+    if not path.is_file():
+        raise ConfigError(f"{path} {'is a folder' if path.is_dir() else 'does not exist'}: give "
+                          f"{expected}")
+    content = path.read_bytes()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = content[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text") from None
+    # Split on newlines only: str.splitlines also splits inside strings at U+2028 and others.
+    return text.split("\n"), content
+
+
 def read_prompts_file(path: Path) -> list[str]:
-    """The prompts of a text file, one per non-blank line; a missing file, a folder or bytes
-    that are not UTF-8 are a ``ConfigError`` naming the file (and line)."""
+    """The prompts of a text file, one per non-blank line (``ConfigError`` as :func:`read_lines`)."""
     lines, _ = read_lines(path, "a text file with one prompt per line")
-    return [line for line in lines if line.strip()]
+    return [line.rstrip("\r") for line in lines if line.strip()]

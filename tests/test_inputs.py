@@ -145,6 +145,7 @@ def test_prompts_file_that_is_a_folder_or_not_utf8_is_named(tmp_path, capsys):
       "--process-id", "0"], ["--coordinator 'nohost'", "HOST:PORT"]),
     (["generate", "--prompt", "x", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
       "--process-id", "2"], ["--process-id", "0..1"]),
+    (["generate", "--prompt", "x", "--distributed", "--join-timeout", "nan"], ["--join-timeout"]),
     (["eval", "--per-task", "0"], ["--per-task", "0"]),
     (["eval", "--modes", "baseline,fast"], ["--modes", "fast"]),
     (["bench", "--batches", "0"], ["--batches '0'"]),

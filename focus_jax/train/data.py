@@ -22,7 +22,7 @@ import numpy as np
 from focus_jax import tasks
 from focus_jax.config import ConfigError
 from focus_jax.model import Model
-from focus_jax.textfiles import read_lines
+from focus_jax.prompts import read_lines
 
 
 class BatchSource(Protocol):
