@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from focus_jax.bench import count_compilations
+from focus_jax.compilation import count_compilations
 from focus_jax.engine import AsyncEngine
 from focus_jax.serve import routes
 from focus_jax.serve.errors import APIError, install_handlers

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from focus_jax.compilation import Compilations
 from focus_jax.engine import AsyncEngine, RequestOutput
 
 OUTCOMES = ("stop", "length", "abort", "error", "invalid", "rejected")
@@ -52,8 +53,8 @@ class ServerMetrics:
         self.decoded_per_step = Histogram("focus_jax_decoded_tokens_per_step",
                                           "Tokens a request decoded per denoising step",
                                           buckets=_DECODED, registry=r)
-        self.compilations: list[str] = []
-        """XLA compilations while serving (the app's lifespan collects them): should stay empty."""
+        self.compilations = Compilations()
+        """XLA compilations while serving (the app's lifespan collects them): should stay 0."""
         r.register(_EngineCounters(engine, self))
 
     def finished(self, outcome: str, out: RequestOutput | None, completion_tokens: int,
@@ -84,7 +85,7 @@ class _EngineCounters(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily("focus_jax_compilations", "XLA compilations while serving "
                                   "(warm-up compiles every program first: should stay 0)",
-                                  value=len(self.metrics.compilations))
+                                  value=self.metrics.compilations.programs)
         stats = self.engine.engine.stats
         for name, value, text in (
                 ("steps", stats.steps, "Denoising steps run (all slots together)"),
