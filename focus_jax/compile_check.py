@@ -94,6 +94,8 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
             raise ConfigError(f"prompt lengths {too_long} do not fit a cache of {positions} "
                               f"positions")
         buckets = tuple(sorted({next(b for b in buckets if b >= n) for n in prompt_lengths}))
+    if prefill_batch is not None and prefill_batch < 1:
+        raise ConfigError(f"--prefill-batch must be >= 1, got {prefill_batch}")
     if hbm_gib is not None and hbm_gib <= 0:
         raise ConfigError(f"--hbm-gib must be positive, got {hbm_gib}")
     if generation.kernels not in (None, "xla", TPU_KERNELS):
@@ -113,10 +115,22 @@ class ProgramReport:
     """Model FLOPs of one call on the whole mesh (decode round: one step at its largest
     bucket)."""
     hbm_bytes: int
+    resident_bytes: int
+    """Weights and decode state per chip: in HBM during every program, whether it reads them or
+    not (jit drops the arguments a program does not read: prefill's LM head)."""
+
+    @property
+    def needed(self) -> int | None:
+        """HBM per chip while the program runs: its own plan, plus the resident bytes it does not
+        take as arguments."""
+        memory = self.result.memory
+        if memory is None:
+            return None
+        return memory.total + max(0, self.resident_bytes - memory.arguments)
 
     @property
     def fits(self) -> bool:
-        return self.result.memory is not None and self.result.memory.total <= self.hbm_bytes
+        return self.needed is not None and self.needed <= self.hbm_bytes
 
     @property
     def ok(self) -> bool:
@@ -163,6 +177,7 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
     def replicated(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
+    kept = resident(target).total
     n, block = target.prefill_batch, target.block_size
     rows = replicated((n,), jnp.int32)
     slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype), slot_params_rows([], n))
@@ -170,13 +185,14 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
         result = tpu.compile_program(mesh, prefill, params, state,
                                      replicated((n, length), jnp.int32), rows, rows, slot_params)
         yield ProgramReport(f"prefill {n}x{length}", result,
-                            prefill_flops(target.cfg, n, length, block), target.hbm_bytes)
+                            prefill_flops(target.cfg, n, length, block), target.hbm_bytes, kept)
     if not decode:
         return
     decode_round = compilation.decode_round_program(
         "tpu", graphdef, step, target.generation.steps_per_round, target.slots, target.positions)
     result = tpu.compile_program(mesh, decode_round, params, state, replicated((), jnp.bool_))
-    yield ProgramReport("decode round", result, decode_flops_range(target)[0], target.hbm_bytes)
+    yield ProgramReport("decode round", result, decode_flops_range(target)[0], target.hbm_bytes,
+                        kept)
 
 
 # --------------------------------------------------------------------------- model FLOPs
@@ -240,7 +256,8 @@ def _gib(n: float) -> str:
 
 HEADER = (f"{'program':<18} {'result':<9} {'compile':>8}  {'arguments':>9} {'temporaries':>11} "
           f"{'outputs':>8} {'total':>7} {'of HBM':>6}  {'TFLOP':>8}")
-"""Columns of :func:`format_report`: memory in GiB per chip, model FLOPs on the whole mesh."""
+"""Columns of :func:`format_report`: memory in GiB per chip (the total with the weights and
+state a program does not read), model FLOPs on the whole mesh."""
 
 
 def format_report(report: ProgramReport) -> str:
@@ -253,8 +270,8 @@ def format_report(report: ProgramReport) -> str:
     memory = result.memory
     return (head + f"{'compiled' if report.fits else 'too big':<9} {result.seconds:7.1f}s  "
             f"{_gib(memory.arguments):>9} {_gib(memory.temporaries):>11} "
-            f"{_gib(memory.outputs):>8} {_gib(memory.total):>7} "
-            f"{100 * memory.total / report.hbm_bytes:5.0f}%  {report.flops / 1e12:8.2f}")
+            f"{_gib(memory.outputs):>8} {_gib(report.needed):>7} "
+            f"{100 * report.needed / report.hbm_bytes:5.0f}%  {report.flops / 1e12:8.2f}")
 
 
 def describe(target: Target) -> str:

@@ -42,6 +42,21 @@ def test_tiny_decode_round_with_tpu_kernels_compiles_for_one_v5e_chip_and_a_2x4_
     assert eight.result.memory.arguments < one.result.memory.arguments / 2
 
 
+@needs_libtpu
+def test_prefill_counts_the_weights_it_does_not_read():
+    """jit drops the arguments a program does not read (prefill: the LM head), but they stay in
+    HBM: a program's total counts every resident byte. (A vocabulary large enough that the LM
+    head outweighs what the TPU's tiled layouts add to tiny arrays.)"""
+    cfg = tiny_config(vocab_size=8192, dtype="bfloat16", block_size=8)
+    target = compile_check.make_target(cfg, "v5e:1x1", slots=4, positions=32,
+                                       prompt_lengths=(8,), generation=GenerationConfig())
+    [prefill] = compile_check.check(target, decode=False)
+    resident = compile_check.resident(target)
+    assert prefill.result.memory.arguments < resident.total
+    memory = prefill.result.memory
+    assert prefill.needed >= resident.total + memory.temporaries + memory.code
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
