@@ -114,6 +114,10 @@ class BenchResult(_Throughput):
     compilations: int
     """Programs compiled (or read from the persistent compilation cache) during the timed run,
     after warm-up: should be 0."""
+    warmup_compiled: int = 0
+    """Programs the warm-up compiled afresh."""
+    warmup_loaded: int = 0
+    """Programs the warm-up read from the persistent compilation cache."""
 
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation over the whole run (prefill and host time included)."""
@@ -148,7 +152,8 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
     cfg = model.config
     engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh, detokenize=False)
     start = time.perf_counter()
-    engine.warmup(prompt_lengths=[len(p) for p in prompts])
+    with count_compilations() as warmup:
+        engine.warmup(prompt_lengths=[len(p) for p in prompts])
     compile_seconds = time.perf_counter() - start
     for prompt in prompts:
         engine.add_request(prompt)
@@ -166,7 +171,8 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         sampled_per_step=s.sampled_tokens / steps,
         model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
         prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
-        compilations=compilations.programs)
+        compilations=compilations.programs, warmup_compiled=warmup.compiled,
+        warmup_loaded=warmup.loaded)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -240,4 +246,5 @@ def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_to
         per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
                                for s, n in zip(stats, tokens, strict=True)]),
         latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
-        compilations=compilations.programs)
+        compilations=compilations.programs, warmup_compiled=warmup.compiled,
+        warmup_loaded=warmup.loaded)

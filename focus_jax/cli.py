@@ -319,8 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
-                f"compile {r.compile_seconds:5.1f}s  "
-                f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
+                f"compile {r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
+                f"{r.warmup_loaded} from cache)  prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
                 f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
                 f"compiles after warm-up {r.compilations}", flush=True)
             if args.json and is_primary():

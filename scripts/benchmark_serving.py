@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -47,8 +48,15 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
                "--cache-max-entry-count", str(args.cache_max_entry_count),
                "--dllm-block-length", "32", "--dllm-unmasking-strategy", "low_confidence_dynamic",
                "--dllm-denoising-steps", "32", "--dllm-confidence-threshold", "0.9",
-               "--log-level", "WARNING"]
+               "--distributed-executor-backend", "uni", "--log-level", "WARNING"]
     return command, {"LMDEPLOY_ENABLE_CHECK_ENV": "0"}
+
+
+def requests_at(rate: float, args: argparse.Namespace) -> int:
+    """How many requests to send at ``rate``: all of them, or a ``--send-seconds`` window's."""
+    if args.send_seconds is None or math.isinf(rate):
+        return args.num_requests
+    return min(args.num_requests, max(args.min_requests, math.ceil(rate * args.send_seconds)))
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> float:
@@ -80,6 +88,10 @@ def main() -> int:
     parser.add_argument("--cache-max-entry-count", type=float, default=0.5, help="lmdeploy only")
     parser.add_argument("--rates", default="2,4,12,inf", help="requests/s, comma-separated")
     parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--send-seconds", type=float, default=None,
+                        help="at a finite rate, send at most rate x this many requests (at least "
+                             "--min-requests): bounds the time a slow rate takes")
+    parser.add_argument("--min-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-len", type=int, default=load.bench.PROMPT_MAX)
     parser.add_argument("--warmup-requests", type=int, default=32)
@@ -95,7 +107,7 @@ def main() -> int:
         started = wait_ready(url, process, args.start_timeout)
         print(f"{args.server} ready after {started:.0f} s", file=sys.stderr, flush=True)
         for index, rate in enumerate(float(r) for r in args.rates.split(",")):
-            workload = load.Workload(args.num_requests, rate, args.max_tokens,
+            workload = load.Workload(requests_at(rate, args), rate, args.max_tokens,
                                      max_prompt_len=args.max_prompt_len)
             report = asyncio.run(load.run(url, workload, workload.prompts(args.model_dir),
                                           warmup_requests=args.warmup_requests if index == 0 else 0))
