@@ -246,5 +246,4 @@ def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_to
         per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
                                for s, n in zip(stats, tokens, strict=True)]),
         latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
-        compilations=compilations.programs, warmup_compiled=warmup.compiled,
-        warmup_loaded=warmup.loaded)
+        compilations=compilations.programs)

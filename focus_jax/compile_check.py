@@ -24,6 +24,7 @@ from focus_jax.bench import layer_flops_per_token
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
+from focus_jax.engine.runner import prefill_rows
 from focus_jax.models.params import abstract_decoder
 from pallas_kernels.dispatch import PLATFORM_DEFAULT
 
@@ -178,19 +179,24 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
     kept = resident(target).total
-    n, block = target.prefill_batch, target.block_size
-    rows = replicated((n,), jnp.int32)
-    slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype), slot_params_rows([], n))
-    for length in target.prompt_buckets:
-        result = tpu.compile_program(mesh, prefill, params, state,
-                                     replicated((n, length), jnp.int32), rows, rows, slot_params)
-        yield ProgramReport(f"prefill {n}x{length}", result,
-                            prefill_flops(target.cfg, n, length, block), target.hbm_bytes, kept)
+    block = target.block_size
+    for n in prefill_rows(target.prefill_batch):
+        rows = replicated((n,), jnp.int32)
+        slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype),
+                                   slot_params_rows([], n))
+        for length in target.prompt_buckets:
+            result = tpu.compile_program(mesh, prefill, params, state,
+                                         replicated((n, length), jnp.int32), rows, rows,
+                                         slot_params)
+            yield ProgramReport(f"prefill {n}x{length}", result,
+                                prefill_flops(target.cfg, n, length, block), target.hbm_bytes,
+                                kept)
     if not decode:
         return
     decode_round = compilation.decode_round_program(
         "tpu", graphdef, step, target.generation.steps_per_round, target.slots, target.positions)
-    result = tpu.compile_program(mesh, decode_round, params, state, replicated((), jnp.bool_))
+    result = tpu.compile_program(mesh, decode_round, params, state, replicated((), jnp.bool_),
+                                 replicated((), jnp.int32))
     yield ProgramReport("decode round", result, decode_flops_range(target)[0], target.hbm_bytes,
                         kept)
 

@@ -267,6 +267,11 @@ class GenerationConfig:
     3241 output tok/s; 8: 3225) while halving the wait for a round to end (docs/benchmarks.md,
     "Request lifecycle")."""
 
+    free_slot_round_steps: int = 4
+    """Steps per round while a slot is free and no request waits: a request that arrives
+    meanwhile waits at most this many steps to be admitted (instead of a whole round). The
+    same compiled round runs both lengths."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
@@ -288,6 +293,7 @@ class GenerationConfig:
         self._integer("max_batch", minimum=1, optional=True)
         self._integer("max_cache_len", minimum=1, optional=True)
         self._integer("steps_per_round", minimum=1)
+        self._integer("free_slot_round_steps", minimum=1)
         if self.stop_token_ids is not None:
             ids = _sequence("stop_token_ids", self.stop_token_ids)
             if not all(is_integer(t) and t >= 0 for t in ids):

@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--geometry", default="sdar-8b", help="random weights of this geometry")
     parser.add_argument("--model", help="a checkpoint folder instead of --geometry")
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests served (default --batch): fewer than slots profiles a "
+                             "lightly loaded engine")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--modes", default="baseline,focus")
     parser.add_argument("--ladder", help="bucket ladder fractions, comma-separated")
@@ -95,7 +98,7 @@ def main() -> None:
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
     model = focus_jax.load(args.model) if args.model else bench.random_model(args.geometry)
     name = args.model or args.geometry
-    lengths = bench.prompt_lengths(args.batch)
+    lengths = bench.prompt_lengths(args.requests or args.batch)
     prompts = bench.random_prompts(model.config, lengths, seed=1)  # as bench.run's (seed 0)
     extra = {"bucket_ladder": tuple(float(f) for f in args.ladder.split(","))} if args.ladder else {}
     out = Path(args.out)
@@ -120,7 +123,8 @@ def main() -> None:
         compiled = engine.lower_round().compile()
         sources = op_sources(compiled.as_text())
         busy = sum(t for t, _ in totals.values())
-        print(f"\n== {name} batch {args.batch} {mode}: {steps} steps, wall {wall:.2f} s "
+        print(f"\n== {name} batch {args.batch} ({len(prompts)} requests) {mode}: {steps} steps, "
+              f"wall {wall:.2f} s "
               f"({1000 * wall / steps:.2f} ms/step), kernels {busy:.0f} ms "
               f"({busy / steps:.2f} ms/step), kernel span {span:.0f} ms")
         rows = sorted(totals.items(), key=lambda kv: -kv[1][0])

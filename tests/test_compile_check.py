@@ -50,7 +50,8 @@ def test_prefill_counts_the_weights_it_does_not_read():
     cfg = tiny_config(vocab_size=8192, dtype="bfloat16", block_size=8)
     target = compile_check.make_target(cfg, "v5e:1x1", slots=4, positions=32,
                                        prompt_lengths=(8,), generation=GenerationConfig())
-    [prefill] = compile_check.check(target, decode=False)
+    alone, prefill = compile_check.check(target, decode=False)  # 1 row, then the 4-row batch
+    assert (alone.name, prefill.name) == ("prefill 1x8", "prefill 4x8")
     resident = compile_check.resident(target)
     assert prefill.result.memory.arguments < resident.total
     memory = prefill.result.memory
@@ -74,11 +75,12 @@ def test_compile_check_prints_every_program_and_succeeds(tiny_folder, capsys):
     code = main(compile_check_cli(tiny_folder, "--topology", "v5e:1x1", "--prompt-buckets", "5,9"))
     out = capsys.readouterr().out
     assert code == 0, out
-    # Prefill at the buckets holding prompts of 5 and 9 tokens (8 and 16), then the round.
+    # Prefill at the buckets holding prompts of 5 and 9 tokens (8 and 16), a request alone and
+    # a batch of 4, then the round.
     rows = [line.split()[0:3] for line in out.splitlines() if "compiled" in line.split()[2:3]]
-    assert rows == [["prefill", "4x8", "compiled"], ["prefill", "4x16", "compiled"],
-                    ["decode", "round", "compiled"]], out
-    assert "all 3 programs compiled and fit" in out
+    assert rows == [["prefill", f"{n}x{length}", "compiled"] for n in (1, 4) for length in (8, 16)
+                    ] + [["decode", "round", "compiled"]], out
+    assert "all 5 programs compiled and fit" in out
     assert "weights + decode state per chip" in out
 
 

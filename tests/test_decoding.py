@@ -123,3 +123,33 @@ def test_prefill_batches_prompts_of_similar_length_and_keeps_each_result(model):
     via_generate = [r.token_ids for r in generate(model, prompts, config)]
     assert [results[i].token_ids for i in ids] == via_generate
     assert [results[i].prompt_tokens for i in ids] == [30, 3, 29, 2]
+
+
+def test_a_request_admitted_alone_is_prefilled_alone_and_compiles_nothing(model):
+    """Up to half a prefill batch is prefilled a request at a time (one row, not a batch of
+    padding rows); warm-up compiles those programs too, and the tokens are unchanged."""
+    from focus_jax.compilation import count_compilations
+    from focus_jax.engine import Engine, run_to_completion
+
+    config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD,
+                              bucket_ladder=LADDER, max_new_tokens=16, steps_per_round=4)
+    engine = Engine(model, config, slots=4, cache_len=64, prefill_batch=4)
+    engine.warmup()
+    rows = []
+    run_prefill = engine.runner._run_prefill
+
+    def record(tokens, lengths, slots, params):
+        rows.append((tokens.shape[0], int((slots < engine.slots).sum())))
+        run_prefill(tokens, lengths, slots, params)
+
+    engine.runner._run_prefill = record
+    prompts = [random_prompts(1, 128, n, n, seed=n)[0] for n in (5, 9, 7, 3, 6)]
+    with count_compilations() as compiled:
+        first = engine.add_request(prompts[0])
+        engine.step()  # admitted alone, into an idle engine; still running after the round
+        rest = [engine.add_request(p) for p in prompts[1:]]  # three fit now, one waits
+        results = run_to_completion(engine)
+    assert compiled.programs == 0
+    assert rows == [(1, 1), (4, 3), (1, 1)]
+    via_generate = [r.token_ids for r in generate(model, prompts, config)]
+    assert [results[i].token_ids for i in [first, *rest]] == via_generate

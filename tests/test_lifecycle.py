@@ -256,3 +256,36 @@ def test_open_loop_bench_serves_every_request_and_orders_its_latencies(model):
     assert result.requests == 5 and result.generated_tokens == 5 * 8 and result.compilations == 0
     for q in ("p50", "p90", "p99"):
         assert 0 <= result.admission_wait[q] <= result.first_block[q] <= result.latency[q]
+
+
+def test_rounds_are_short_while_a_slot_is_free_and_whole_when_every_slot_is_busy(model):
+    """A free slot (nothing waiting) ends rounds after ``free_slot_round_steps``, so an arrival is
+    admitted soon; with every slot busy rounds run ``steps_per_round``. The same compiled round
+    runs both, and the tokens do not depend on where rounds end."""
+    config = CONFIG.replace(steps_per_round=8, free_slot_round_steps=2, max_new_tokens=24)
+    prompts = random_prompts(2, 128, 6, 6, seed=21)
+    engine = Engine(model, config, slots=2, cache_len=64)
+    engine.warmup()
+
+    def steps_of_one_round() -> int:
+        before = engine.stats.steps
+        engine.step()
+        return engine.stats.steps - before
+
+    with count_compilations() as compiled:
+        first = engine.add_request(prompts[0])
+        alone_rounds = [steps_of_one_round() for _ in range(3)]
+        second = engine.add_request(prompts[1])
+        full_rounds = [steps_of_one_round() for _ in range(2)]
+        results = run_to_completion(engine)
+    assert compiled.programs == 0
+    assert alone_rounds == [2, 2, 2] and full_rounds == [8, 8]
+    reference = run_to_completion_of(model, CONFIG.replace(max_new_tokens=24), prompts)
+    assert [results[first].token_ids, results[second].token_ids] == reference
+
+
+def run_to_completion_of(model, config, prompts):
+    engine = Engine(model, config, slots=len(prompts), cache_len=64)
+    ids = [engine.add_request(p) for p in prompts]
+    results = run_to_completion(engine)
+    return [results[i].token_ids for i in ids]

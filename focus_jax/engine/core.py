@@ -168,11 +168,19 @@ class Engine:
                 request.stats.admitted_time = now
         if self.scheduler.running:
             with self._timed("decode_seconds"):
-                copy = self.runner.decode_round(stop_on_finish=bool(self.scheduler.waiting))
+                copy = self.runner.decode_round(stop_on_finish=bool(self.scheduler.waiting),
+                                                steps=self._round_steps())
             with self._timed("host_seconds"):
                 outputs += self._after_round(copy)
         self.stats.wall_seconds += time.perf_counter() - start
         return outputs
+
+    def _round_steps(self) -> int:
+        """Short rounds while a slot is free and nothing waits (an arrival is admitted soon),
+        whole rounds otherwise."""
+        if self.scheduler.waiting or len(self.scheduler.running) == self.slots:
+            return self.config.steps_per_round
+        return min(self.config.free_slot_round_steps, self.config.steps_per_round)
 
     def _after_round(self, copy) -> list[RequestOutput]:
         running = dict(self.scheduler.running)

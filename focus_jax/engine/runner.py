@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -46,6 +47,12 @@ def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def prefill_rows(prefill_batch: int) -> tuple[int, ...]:
+    """The row counts of the prefill programs: one request alone, or a full prefill batch
+    (:meth:`Runner.prefill`)."""
+    return tuple(sorted({1, prefill_batch}))
+
+
 class Runner:
     """The decode state of ``slots`` slots of ``cache_len`` positions, and the programs that
     change it. The state is allocated already sharded over ``mesh`` (slots and cache over
@@ -56,7 +63,7 @@ class Runner:
                  mesh: Mesh | None = None):
         cfg = model.config
         self.settings, self.slots, self.cache_len = settings, slots, cache_len
-        self.prefill_batch = prefill_batch
+        self.prefill_batch, self.steps_per_round = prefill_batch, steps_per_round
         make_state = functools.partial(decoding.init_state, cfg, slots, cache_len,
                                        settings.block_size, settings.mask_token_id)
         shapes = jax.eval_shape(make_state)
@@ -85,8 +92,16 @@ class Runner:
                     if size >= length)
 
     def prefill(self, batch: Sequence[Request]) -> None:
-        """Start the requests of ``batch`` (at most ``prefill_batch``) in their slots."""
-        n = self.prefill_batch
+        """Start the requests of ``batch`` (at most ``prefill_batch``) in their slots. Up to half
+        a prefill batch goes one request at a time: a padded batch computes its padding rows
+        too, so one request admitted into a busy engine would cost a whole batch's prefill."""
+        if len(batch) * 2 <= self.prefill_batch:
+            for request in batch:
+                self._prefill_rows([request], 1)
+        else:
+            self._prefill_rows(batch, self.prefill_batch)
+
+    def _prefill_rows(self, batch: Sequence[Request], n: int) -> None:
         length = self.prompt_bucket(max(len(r.prompt) for r in batch))
         tokens = np.full((n, length), self.settings.mask_token_id, np.int32)
         lengths = np.ones((n,), np.int32)
@@ -106,11 +121,13 @@ class Runner:
         padded[:len(slots)] = slots
         self.state = self._release(self.state, padded)
 
-    def decode_round(self, stop_on_finish: bool) -> RoundCopy:
-        """Run a round of steps (until every slot is idle, the round's step limit, or, with
-        ``stop_on_finish``, the first finished request) and copy its results to the host."""
+    def decode_round(self, stop_on_finish: bool, steps: int | None = None) -> RoundCopy:
+        """Run a round of at most ``steps`` steps (default and cap: ``steps_per_round``; until
+        every slot is idle, or, with ``stop_on_finish``, the first finished request) and copy
+        its results to the host."""
+        limit = self.steps_per_round if steps is None else min(steps, self.steps_per_round)
         self.state, logs, steps = self._round(self.model.params, self.state,
-                                              np.asarray(stop_on_finish))
+                                              np.asarray(stop_on_finish), np.int32(limit))
         # One transfer per round: the step logs and slot progress. (On GPUs the call above may
         # already have waited: XLA reads a while loop's condition each step.)
         state = self.state
@@ -121,22 +138,24 @@ class Runner:
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its
         compiled program: memory, HLO, cost)."""
-        return self._round.lower(self.model.params, self.state, np.asarray(False))
+        return self._round.lower(self.model.params, self.state, np.asarray(False),
+                                 np.int32(self.steps_per_round))
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
-        release, and prefill at every prompt-length bucket (or at the buckets of
-        ``prompt_lengths`` when they are known). Runs them on padding only: nothing changes."""
+        release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket (or
+        at the buckets of ``prompt_lengths`` when they are known). Runs them on padding only:
+        nothing changes."""
         buckets = prompt_buckets(self.settings.block_size, self.cache_len)
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
-        n = self.prefill_batch
-        for length in buckets:
+        for n, length in itertools.product(prefill_rows(self.prefill_batch), buckets):
             # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
             self._run_prefill(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                               np.full((n,), self.slots, np.int32), slot_params_rows([], n))
         self.release([])
-        self.state, _, _ = self._round(self.model.params, self.state, np.asarray(False))
+        self.state, _, _ = self._round(self.model.params, self.state, np.asarray(False),
+                                       np.int32(self.steps_per_round))
         jax.block_until_ready(self.state)
 
 
