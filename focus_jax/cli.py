@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from focus_jax.compilation import Compilations
@@ -274,8 +276,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
     import os
 
     # Before the backend starts: XLA's GPU pool gets 95% of memory, not 75% (batch 256 of the
@@ -300,12 +300,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
         f"measured bf16 peak {peak / 1e12:.3g} TFLOP/s")
-    if rates:
-        return _bench_open_loop(args, model, mesh, say, ladder, batches, modes, rates)
+    runs = (_open_loop_rows(args, model, mesh, ladder, batches, modes, rates) if rates else
+            _closed_loop_rows(args, model, mesh, ladder, batches, modes, peak))
     rows = []
+    for row, line in runs:
+        rows.append(row)
+        say(line, flush=True)
+        if args.json and is_primary():  # rewritten after each run: a crash keeps the rows so far
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
+                      batches: list[int], modes: list[str], peak: float) -> Iterator[tuple[dict, str]]:
+    """``bench``: all requests at once, per batch and mode; a JSON row and a line per run."""
+    import jax
+
+    from focus_jax import bench
+
     for batch in batches:
         for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
-                           args.max_new_tokens, mesh=mesh, **ladder):
+                           args.max_new_tokens, mesh=mesh, **generation):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
@@ -314,47 +329,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    "mesh": args.mesh,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
-            rows.append(row)
-            say(f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+            yield row, (
+                f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
                 f"compile {r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
-                f"{r.warmup_loaded} from cache)  prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
+                f"{r.warmup_loaded} from cache)  "
+                f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
                 f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
-                f"compiles after warm-up {r.compilations}", flush=True)
-            if args.json and is_primary():
-                Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+                f"compiles after warm-up {r.compilations}")
 
 
-def _bench_open_loop(args: argparse.Namespace, model, mesh, say, generation: dict,
-                     batches: list[int], modes: list[str], rates: list[float]) -> int:
+def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
+                    batches: list[int], modes: list[str],
+                    rates: list[float]) -> Iterator[tuple[dict, str]]:
     """``bench --request-rate R1,R2,...``: Poisson arrivals at each rate, per batch and mode."""
-    import dataclasses
-    import json
-
     from focus_jax import bench
-    from focus_jax.distributed import is_primary
 
-    rows = []
     for batch in batches:
         for rate in rates:
             for mode in modes:
                 r = bench.run_open_loop(model, mode, batch, batch * args.requests_per_slot,
                                         args.max_new_tokens, rate, mesh=mesh, **generation)
-                rows.append({**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
-                             "step_ms": r.step_ms, "model": str(args.model or args.geometry)})
-                say(f"bs{batch} rate {rate:g}/s {mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
+                       "step_ms": r.step_ms, "model": str(args.model or args.geometry)}
+                yield row, (
+                    f"bs{batch} rate {rate:g}/s {mode:8s} {r.tokens_per_second:8.1f} tok/s  "
                     f"step {r.step_ms:6.2f} ms  admission wait mean {r.admission_wait['mean']:.3f}s"
                     f"  first block p50/p90/p99 {r.first_block['p50']:.2f}/"
                     f"{r.first_block['p90']:.2f}/{r.first_block['p99']:.2f}s  per token p50 "
                     f"{1000 * r.per_token['p50']:.1f} ms  latency p50/p90/p99 "
                     f"{r.latency['p50']:.1f}/{r.latency['p90']:.1f}/{r.latency['p99']:.1f}s  "
-                    f"compiles {r.compilations}", flush=True)
-                if args.json and is_primary():
-                    Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+                    f"compiles {r.compilations}")
 
 
 def _positive_integers(option: str, text: str) -> list[int]:
