@@ -306,7 +306,7 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
         reports.append(report)
         print(compile_check.format_report(report), flush=True)
     print(compile_check.summary(reports))
-    return 0 if all(r.ok for r in reports) else 1
+    return 0 if all(r.fits for r in reports) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -130,11 +130,8 @@ class ProgramReport:
 
     @property
     def fits(self) -> bool:
+        """Compiled, and what it needs fits the chip."""
         return self.needed is not None and self.needed <= self.hbm_bytes
-
-    @property
-    def ok(self) -> bool:
-        return self.result.compiled and self.fits
 
 
 def settings(target: Target, mesh: Mesh | None) -> decoding.DecodeSettings:

@@ -36,7 +36,7 @@ def test_tiny_decode_round_with_tpu_kernels_compiles_for_one_v5e_chip_and_a_2x4_
     eight = decode_round(mode, "v5e:2x4", "data=2,model=4", "pallas_tpu")
     for report in (one, eight):
         assert report.result.compiled, report.result.error
-        assert report.ok and report.flops > 0
+        assert report.fits and report.flops > 0
     # Slots over data and heads over model: each chip of the mesh holds a fraction of the
     # weights and the cache that one chip holds alone.
     assert eight.result.memory.arguments < one.result.memory.arguments / 2
