@@ -4,10 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# libtpu (the version jax[tpu] pins) where it has wheels (Linux x86-64): the tests compile the TPU
-# kernels and programs with it for TPU topologies, on the CPU.
+# The HTTP server's extra (its tests run a server), and libtpu (the version jax[tpu] pins) where it
+# has wheels (Linux x86-64): the tests compile the TPU kernels and programs with it for TPU
+# topologies, on the CPU.
 comma := ,
-EXTRAS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),test$(comma)tpu,test)
+EXTRAS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),test$(comma)serve$(comma)tpu,test$(comma)serve)
 
 PYTHON_FOR_VENV := $(shell for c in python3.12 python3.13 python3; do \
 	  if command -v $$c >/dev/null 2>&1 && $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then command -v $$c; exit 0; fi; done; \

@@ -6,29 +6,14 @@ from collections.abc import Callable, Sequence
 
 from jax.sharding import Mesh
 
+from focus_jax import compilation
 from focus_jax.config import ConfigError, GenerationConfig
-from focus_jax.engine import Engine, Result, RunStats, cache_length
+from focus_jax.engine import Engine, RequestError, Result, RunStats, SamplingParams, cache_length
+from focus_jax.engine.core import run_to_completion
 from focus_jax.model import Model
+from focus_jax.prompts import Prompt, encode_prompt, is_single
 
-Prompt = str | Sequence[int]
 DEFAULT_MAX_BATCH = 64
-
-
-def encode_prompt(model: Model, prompt: Prompt, chat: bool = True) -> list[int]:
-    """Token ids of a prompt: strings go through the tokenizer (and its chat template, if any)."""
-    if not isinstance(prompt, str):
-        return [int(t) for t in prompt]
-    tokenizer = model.tokenizer
-    if tokenizer is None:
-        raise ConfigError("this model was loaded without a tokenizer: pass token ids, or load "
-                          "it with tokenizer=True")
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=False)]
 
 
 def generate(model: Model, prompts: Prompt | Sequence[Prompt],
@@ -37,20 +22,30 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
              on_tokens: Callable[[int, list[int]], None] | None = None,
              return_stats: bool = False,
              mesh: Mesh | None = None) -> list[Result] | tuple[list[Result], RunStats]:
-    """Generate for one prompt or a list of prompts (strings or token-id lists).
+    """Generate for one prompt or a list of prompts: text, or token ids (a list of integers,
+    Python or NumPy, or a 1-D integer array; a 2-D array is a list of prompts).
 
     Returns one :class:`Result` per prompt, in order (``.text``, ``.token_ids``, ``.stats``);
     with ``return_stats`` also the run's :class:`RunStats`. ``on_tokens(index, ids)`` streams
     each prompt's tokens as its blocks complete. ``mesh``: decode sharded over a
     ``("data", "model")`` mesh (slots over data: the batch is rounded up to a multiple of it).
+
+    Raises ``TypeError`` for a prompt that is neither text nor token ids (bytes, a dict, float
+    ids), :class:`RequestError` for one the model cannot take and ``ConfigError`` for settings.
     """
-    config = config or GenerationConfig()
-    single = isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int))
-    batch = [prompts] if single else list(prompts)
-    if not batch:
-        raise ValueError("no prompts given")
-    ids = [encode_prompt(model, p, chat) for p in batch]
+    compilation.use_persistent_cache()  # before the first compilation, the state's included
+    config = GenerationConfig() if config is None else config
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    if is_single(prompts):
+        ids = [encode_prompt(model, prompts, chat)]
+    else:
+        if not isinstance(prompts, Sequence) and not hasattr(prompts, "ndim"):
+            raise TypeError(f"prompts must be text, token ids or a list of them, got "
+                            f"{type(prompts).__name__}")
+        ids = [encode_prompt(model, p, chat, name=f"prompt {i}") for i, p in enumerate(prompts)]
+    if not ids:
+        raise RequestError("no prompts given")
     block = config.block_size or model.config.block_size or 0
     longest = max(len(p) for p in ids)
     cache_len = config.max_cache_len
@@ -65,16 +60,17 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
         data = mesh.shape["data"]
         slots = -(-slots // data) * data
     engine = Engine(model, config, slots=slots, cache_len=cache_len or 0, mesh=mesh)
-    rids = [engine.submit(p, on_tokens=_by_index(on_tokens, i)) for i, p in enumerate(ids)]
+    # Request i samples with seed config.seed + i: the same prompt twice gets two draws.
+    rids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
+            for i, p in enumerate(ids)]
+    index = {rid: i for i, rid in enumerate(rids)}
     # Compile first (only the programs these prompts need), so the statistics time the run.
     engine.warmup(prompt_lengths=[len(p) for p in ids])
-    results = engine.run(progress=progress)
+
+    def stream(out) -> None:
+        if on_tokens is not None and out.new_token_ids:
+            on_tokens(index[out.request_id], out.new_token_ids)
+
+    results = run_to_completion(engine, progress=progress, on_output=stream)
     ordered = [results[rid] for rid in rids]
     return (ordered, engine.stats) if return_stats else ordered
-
-
-def _by_index(on_tokens: Callable[[int, list[int]], None] | None,
-              index: int) -> Callable[[int, list[int]], None] | None:
-    if on_tokens is None:
-        return None
-    return lambda _rid, new_ids: on_tokens(index, new_ids)

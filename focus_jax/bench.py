@@ -8,42 +8,24 @@ wall time of the whole run (prompt tokens not counted), after warm-up compilatio
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import monitoring
 from jax.sharding import Mesh
 
-from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig
-from focus_jax.engine import Engine
+from focus_jax.compilation import count_compilations
+from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig, check_integer
+from focus_jax.engine import Engine, run_to_completion
 from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
 
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compilations() -> Iterator[list[str]]:
-    """Collects one entry per XLA backend compilation while the block runs."""
-    events: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: object) -> None:
-        if event == BACKEND_COMPILE:
-            events.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
 
 
 def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX) -> list[int]:
@@ -75,8 +57,10 @@ def layer_flops_per_token(cfg: ModelConfig) -> int:
     return 2 * (e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * cfg.intermediate_size)
 
 
-def measured_bf16_peak(size: int = 8192, repeats: int = 10) -> float:
-    """FLOP/s of a large bf16 matmul on the default device (random data)."""
+def measured_bf16_peak(size: int | None = None, repeats: int = 10) -> float:
+    """FLOP/s of a large bf16 matmul on the default device (random data). Default size 8192,
+    1024 on CPUs (where 8192 takes over a minute and the peak is near 0.1 TFLOP/s)."""
+    size = size or (1024 if jax.default_backend() == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
@@ -88,8 +72,27 @@ def measured_bf16_peak(size: int = 8192, repeats: int = 10) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
+class _Throughput:
+    """Output tokens per second and decode step time of a run's ``generated_tokens``,
+    ``wall_seconds``, ``steps`` and ``decode_seconds``."""
+
+    generated_tokens: int
+    wall_seconds: float
+    steps: int
+    decode_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds
+
+    @property
+    def step_ms(self) -> float:
+        """Decode step time (prefill and host time between rounds excluded)."""
+        return 1000 * self.decode_seconds / max(self.steps, 1)
+
+
 @dataclasses.dataclass
-class BenchResult:
+class BenchResult(_Throughput):
     mode: str
     batch: int
     requests: int
@@ -109,16 +112,12 @@ class BenchResult:
     host_seconds: float
     """Host time between decode rounds (the device idle)."""
     compilations: int
-    """XLA compilations during the timed run (after warm-up): should be 0."""
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.wall_seconds
-
-    @property
-    def step_ms(self) -> float:
-        """Decode step time (prefill and host time between rounds excluded)."""
-        return 1000 * self.decode_seconds / max(self.steps, 1)
+    """Programs compiled (or read from the persistent compilation cache) during the timed run,
+    after warm-up: should be 0."""
+    warmup_compiled: int = 0
+    """Programs the warm-up compiled afresh."""
+    warmup_loaded: int = 0
+    """Programs the warm-up read from the persistent compilation cache."""
 
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation over the whole run (prefill and host time included)."""
@@ -135,14 +134,15 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding."""
     cfg = model.config
     block = block_size or cfg.block_size or 32
+    configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
+                                stop_token_ids=(), **generation) for mode in modes]
+    check_integer("batch", batch, minimum=1)
+    check_integer("requests", requests, minimum=1)
     lengths = prompt_lengths(requests, seed)
     prompts = random_prompts(cfg, lengths, seed + 1)
     cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
-    return [_run_mode(model, GenerationConfig(mode=mode, block_size=block,
-                                              max_new_tokens=max_new_tokens, stop_token_ids=(),
-                                              **generation),
-                      batch, prompts, cache_len, progress, mesh)
-            for mode in modes]
+    return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh)
+            for config in configs]
 
 
 def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[list[int]],
@@ -150,14 +150,15 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
     """One mode's run. Its engine (and KV cache) is gone when this returns, before the next
     mode's engine allocates its own: two caches at once would not fit at large batch."""
     cfg = model.config
-    engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh)
+    engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh, detokenize=False)
     start = time.perf_counter()
-    engine.warmup(prompt_lengths=[len(p) for p in prompts])
+    with count_compilations() as warmup:
+        engine.warmup(prompt_lengths=[len(p) for p in prompts])
     compile_seconds = time.perf_counter() - start
     for prompt in prompts:
-        engine.submit(prompt)
+        engine.add_request(prompt)
     with count_compilations() as compilations:
-        engine.run(progress=progress)
+        run_to_completion(engine, progress=progress)
     s = engine.stats
     steps = max(s.steps, 1)
     flops = layer_flops_per_token(cfg) * s.token_layers(cfg.num_layers)
@@ -170,4 +171,80 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         sampled_per_step=s.sampled_tokens / steps,
         model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
         prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
-        compilations=len(compilations))
+        compilations=compilations.programs, warmup_compiled=warmup.compiled,
+        warmup_loaded=warmup.loaded)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 of ``values`` (NaN when empty)."""
+    if not values:
+        return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
+    a = np.asarray(values, np.float64)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+@dataclasses.dataclass
+class OpenLoopResult(_Throughput):
+    """One mode's run under Poisson arrivals. Latencies in seconds, from each request's
+    scheduled arrival: ``admission_wait`` until its prefill is done, ``first_block`` until its
+    first committed block reaches the host, ``latency`` until it ends; ``per_token`` is
+    ``(latency - first_block) / (tokens - 1)``."""
+
+    mode: str
+    batch: int
+    request_rate: float
+    requests: int
+    generated_tokens: int
+    wall_seconds: float
+    steps: int
+    decode_seconds: float
+    admission_wait: dict[str, float]
+    first_block: dict[str, float]
+    per_token: dict[str, float]
+    latency: dict[str, float]
+    compilations: int
+
+
+def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_tokens: int,
+                  request_rate: float, seed: int = 0, block_size: int | None = None,
+                  mesh: Mesh | None = None, **generation: object) -> OpenLoopResult:
+    """Serve ``requests`` random prompts (the closed loop's) arriving as a Poisson process of
+    ``request_rate`` per second (seeded) on ``batch`` slots; greedy decoding. Throughput counts
+    generated tokens over the time from the first arrival to the last completion."""
+    cfg = model.config
+    lengths = prompt_lengths(requests, seed)
+    prompts = random_prompts(cfg, lengths, seed + 1)
+    gaps = np.random.default_rng(seed + 2).exponential(1.0 / request_rate, size=requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    config = GenerationConfig(mode=mode, block_size=block_size or cfg.block_size or 32,
+                              max_new_tokens=max_new_tokens, stop_token_ids=(), **generation)
+    engine = Engine(model, config, slots=batch, cache_len=max(lengths) + max_new_tokens,
+                    mesh=mesh, detokenize=False)
+    engine.warmup(prompt_lengths=lengths)
+    finished = []
+    with count_compilations() as compilations:
+        start = time.perf_counter()
+        sent = 0
+        while sent < requests or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while sent < requests and arrivals[sent] <= now:
+                engine.add_request(prompts[sent], arrival_time=start + arrivals[sent])
+                sent += 1
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, arrivals[sent] - (time.perf_counter() - start)))
+                continue
+            finished += [out for out in engine.step() if out.finished]
+        wall = time.perf_counter() - start
+    stats = [out.stats for out in finished]
+    tokens = [len(out.token_ids) for out in finished]
+    return OpenLoopResult(
+        mode=mode, batch=batch, request_rate=request_rate, requests=requests,
+        generated_tokens=sum(tokens), wall_seconds=wall, steps=engine.stats.steps,
+        decode_seconds=engine.stats.decode_seconds,
+        admission_wait=percentiles([s.admitted_time - s.arrival_time for s in stats]),
+        first_block=percentiles([s.first_block_time - s.arrival_time for s in stats]),
+        per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
+                               for s, n in zip(stats, tokens, strict=True)]),
+        latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
+        compilations=compilations.programs, warmup_compiled=warmup.compiled,
+        warmup_loaded=warmup.loaded)

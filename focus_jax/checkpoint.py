@@ -7,13 +7,18 @@ Two folder layouts load:
 * a converted folder (``focus-jax convert``): ``config.json``, ``params/`` (an orbax checkpoint,
   faster to restore and shardable on restore), tokenizer files.
 
-Nothing is downloaded: paths only.
+Nothing is downloaded: paths only. A folder is written whole or not at all: into a temporary
+sibling folder, flushed to disk, then renamed into place (``replacing``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +30,13 @@ from jax.sharding import Mesh
 from focus_jax import sharding
 from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
-from focus_jax.models.params import abstract_decoder, load_safetensors
+from focus_jax.models.params import abstract_decoder, load_safetensors, not_utf8, read_json
 
 PARAMS_DIR = "params"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "chat_template.jinja", "added_tokens.json")
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                   "special_tokens_map.json", "added_tokens.json")
 SDAR_MASK_TOKEN_ID = 151669
 
 
@@ -47,7 +54,10 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
                           f"only: download the checkpoint first, see checkpoints/README.md)")
     if not folder.is_dir():
         raise ConfigError(f"{folder} is a file; give the folder that holds config.json")
-    cfg = ModelConfig.from_file(folder / "config.json", dtype=dtype)
+    try:
+        cfg = ModelConfig.from_file(folder / "config.json", dtype=dtype)
+    except UnicodeDecodeError as err:
+        raise not_utf8(folder / "config.json", err) from None
     tok = load_tokenizer(folder) if tokenizer else None
     if cfg.mask_token_id is None:
         mask = getattr(tok, "mask_token_id", None)
@@ -66,22 +76,51 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
     return model
 
 
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                      "vocab.json"))
+
+
 def load_tokenizer(folder: Path) -> Any:
-    """The folder's tokenizer (``transformers``), or a clear error when it has none."""
-    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                      "vocab.json")):
+    """The folder's tokenizer (``transformers``), or a clear error when it has none, when a file
+    of it is not JSON, or when ``tokenizer_config.json`` names a file the folder lacks."""
+    if not has_tokenizer(folder):
         raise ConfigError(f"{folder} holds no tokenizer (tokenizer.json / tokenizer_config.json); "
                           f"copy the tokenizer files next to config.json, or load with "
                           f"tokenizer=False and pass token ids")
+    config_file = folder / "tokenizer_config.json"
+    if config_file.exists():
+        _check_named_files(config_file, read_json(config_file))
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (ValueError, OSError, KeyError):
-        # AutoTokenizer reads config.json's model_type, which transformers may not know (sdar).
-        if (folder / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (ValueError, OSError, KeyError):
+            # AutoTokenizer reads config.json's model_type, which transformers may not know (sdar).
+            if not (folder / "tokenizer.json").exists():
+                raise
             return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
-        raise
+    except Exception as err:  # the tokenizers library raises bare Exceptions for a corrupt file
+        for name in _TOKENIZER_JSON:
+            if (folder / name).exists():
+                read_json(folder / name)  # names the file that is not UTF-8 JSON
+        reason = (str(err).splitlines() or [""])[0]
+        raise ConfigError(f"the tokenizer in {folder} does not load ({type(err).__name__}: "
+                          f"{reason}); re-download or re-convert the checkpoint") from None
+
+
+def _check_named_files(config_file: Path, config: Any) -> None:
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_file} must hold a JSON object, found {type(config).__name__}")
+    # vocab_file, merges_file, tokenizer_file, ...: bare names are files of this folder (a
+    # path is where the author's copy lay, which transformers ignores).
+    named = [value for key, value in config.items() if key.endswith("_file")
+             and isinstance(value, str) and value and Path(value).name == value]
+    missing = [name for name in named if not (config_file.parent / name).exists()]
+    if missing:
+        raise ConfigError(f"{config_file} names {', '.join(missing)}, which the folder lacks; "
+                          f"copy it from the original checkpoint")
 
 
 def stop_token_ids(folder: Path, tokenizer: Any) -> tuple[int, ...]:
@@ -89,8 +128,14 @@ def stop_token_ids(folder: Path, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
     generation = folder / "generation_config.json"
     if generation.exists():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+        content = read_json(generation)
+        eos = content.get("eos_token_id") if isinstance(content, dict) else None
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not isinstance(content, dict) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in eos):
+            raise ConfigError(f"{generation} must be a JSON object whose eos_token_id is a token "
+                              f"id or a list of them")
+        ids += eos
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids.append(eos)
@@ -115,27 +160,108 @@ def _restore_orbax(params_dir: Path, cfg: ModelConfig, mesh: Mesh | None = None)
     return nnx.merge(graphdef, abstract)
 
 
-def save(model: Model, out: str | Path, *, source: Path | None = None) -> Path:
-    """Write a converted folder: ``config.json``, ``params/`` (orbax) and tokenizer files."""
-    out = Path(out).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / PARAMS_DIR).exists():
-        shutil.rmtree(out / PARAMS_DIR)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out / PARAMS_DIR, nnx.to_pure_dict(model.params))
-    checkpointer.wait_until_finished()
-    (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    if source is not None:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (source / name).exists():
-                shutil.copy2(source / name, out / name)
-    elif model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(out))
-    return out
+def check_target(target: Path, overwrite: bool = False) -> None:
+    """``target`` can receive a model folder: it is absent or an empty folder, or, with
+    ``overwrite``, a model folder (one with config.json) to replace."""
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{target} is a file; give the path of a folder to write")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise ConfigError(f"{target} is not empty; give a new or empty folder, or --overwrite "
+                          f"to replace the model folder there")
+    if not (target / "config.json").exists():
+        raise ConfigError(f"{target} is not a model folder (it has no config.json); --overwrite "
+                          f"replaces model folders only: give a new or empty folder")
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None) -> Path:
-    """Convert a Hugging Face folder into a converted (orbax) folder."""
-    source = Path(hf_dir).expanduser()
-    model = load(source, dtype=dtype, tokenizer=False)
-    return save(model, out_dir, source=source)
+@contextlib.contextmanager
+def replacing(target: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """A fresh folder to fill, which becomes ``target`` once the block ends without an error.
+
+    The folder is a hidden sibling of ``target``; at the end every file in it is flushed to disk
+    and it is renamed into place, so that ``target`` is never a half-written folder. An old
+    folder at ``target`` (``overwrite``, see :func:`check_target`) is kept until the new one is
+    complete. A process killed between the two renames leaves ``target`` absent and the old
+    folder beside it as ``.NAME.replaced-*``.
+    """
+    target = Path(target).expanduser().resolve()
+    check_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    suffix = f"{os.getpid()}-{secrets.token_hex(4)}"
+    staging = target.with_name(f".{target.name}.partial-{suffix}")
+    staging.mkdir()
+    try:
+        yield staging
+        _flush_tree(staging)
+        if target.exists():
+            retired = target.with_name(f".{target.name}.replaced-{suffix}")
+            os.rename(target, retired)
+            try:
+                os.rename(staging, target)
+            except BaseException:
+                os.rename(retired, target)
+                raise
+            _flush(target.parent)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.rename(staging, target)
+            _flush(target.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _flush(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _flush_tree(folder: Path) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _flush(Path(root) / name)
+        _flush(Path(root))
+
+
+def save(model: Model, out: str | Path, *, source: Path | None = None,
+         overwrite: bool = False) -> Path:
+    """Write a converted folder: ``config.json``, ``params/`` (orbax), tokenizer files and
+    ``generation_config.json``, whole or not at all (:func:`replacing`; ``overwrite`` replaces a
+    model folder at ``out``). The tokenizer and generation files are copied from ``source`` when
+    given, else written from the model."""
+    target = Path(out).expanduser().resolve()
+    with replacing(target, overwrite=overwrite) as folder:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(folder / PARAMS_DIR, nnx.to_pure_dict(model.params))
+        checkpointer.wait_until_finished()
+        (folder / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+        if source is not None:
+            for name in (*TOKENIZER_FILES, "generation_config.json"):
+                if (source / name).exists():
+                    (folder / name).write_bytes((source / name).read_bytes())
+        else:
+            if model.tokenizer is not None:
+                model.tokenizer.save_pretrained(str(folder))
+            if model.stop_token_ids:
+                (folder / "generation_config.json").write_text(
+                    json.dumps({"eos_token_id": list(model.stop_token_ids)}) + "\n")
+    return target
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
+            overwrite: bool = False) -> Path:
+    """Convert a Hugging Face folder into a converted (orbax) folder at ``out_dir``, which must
+    be new or empty, or with ``overwrite`` a model folder to replace (see :func:`save`), and lie
+    outside the source (nor hold it)."""
+    source, target = Path(hf_dir).expanduser(), Path(out_dir).expanduser()
+    inside = source.resolve() == target.resolve() or source.resolve() in target.resolve().parents
+    if inside or target.resolve() in source.resolve().parents:
+        raise ConfigError(f"cannot convert {source} into {target}: the target must lie outside "
+                          f"the source folder and must not contain it")
+    check_target(target.resolve(), overwrite)  # before the loading, which takes a while
+    # The tokenizer is loaded to check it: a folder converted from a broken one would not load.
+    model = load(source, dtype=dtype, tokenizer=has_tokenizer(source))
+    return save(model, target, source=source, overwrite=overwrite)

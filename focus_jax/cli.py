@@ -1,5 +1,5 @@
 """The ``focus-jax`` command line: ``generate``, ``convert``, ``eval``, ``bench``, ``train``,
-``demo``."""
+``demo``, ``serve``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from focus_jax.compilation import Compilations
 from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
+from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.tasks import WORKED
 
@@ -17,10 +19,6 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tin
 DEMO_PROMPTS = ("Add: 257+468", "Reverse: p a l l a s",
                 "Ana has 12 apples, gets 9 more, gives away 6 and gets 3 more. "
                 "How many apples does Ana have now?")
-# The demo's compaction buckets: three prompts run once, so compiling the step dominates, and
-# four buckets per compaction compile in a third of the default ladder's time (about 16 s
-# against 55 s for the bundled model on a 2-core CPU).
-DEMO_LADDER = (0.25, 0.5, 0.75, 1.0)
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +45,42 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     parser.add_argument("--no-chat", action="store_true",
                         help="do not apply the tokenizer's chat template")
-    parser.add_argument("--stats", action="store_true", help="print decoding statistics")
+    parser.add_argument("--bucket-ladder", default=None,
+                        help="compaction bucket sizes as fractions of slots x block, "
+                             "comma-separated (default: the platform's)")
+    parser.add_argument("--stats", action="store_true",
+                        help="print decoding and compilation statistics")
+    _add_compile_cache_option(parser)
     _add_distribution_options(parser)
+
+
+def _add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs between runs (default: kept in "
+                             "$FOCUS_JAX_CACHE_DIR, else ~/.cache/focus_jax/xla)")
+
+
+def _compile_cache(args: argparse.Namespace) -> Path | None:
+    """Turn the persistent compilation cache on (or off, with --no-compile-cache) before any
+    compilation; returns its folder."""
+    import jax
+
+    from focus_jax import compilation
+
+    if args.no_compile_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+    return compilation.use_persistent_cache()
+
+
+def _ladder(text: str | None) -> dict[str, tuple[float, ...]]:
+    """``--bucket-ladder`` as GenerationConfig arguments (none when not given)."""
+    if text is None:
+        return {}
+    try:
+        return {"bucket_ladder": tuple(float(f) for f in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--bucket-ladder {text!r} must be comma-separated fractions, e.g. "
+                          f"0.25,0.5,1") from None
 
 
 def _add_distribution_options(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +94,9 @@ def _add_distribution_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-id", type=int, default=None)
     parser.add_argument("--distributed", action="store_true",
                         help="multi-process with arguments found by JAX (TPU pods, SLURM)")
+    parser.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_SECONDS,
+                        help="seconds to wait for all processes to join (default "
+                             f"{JOIN_TIMEOUT_SECONDS:g}); past it, exit with code 2")
 
 
 def _mesh(args: argparse.Namespace):
@@ -69,9 +104,14 @@ def _mesh(args: argparse.Namespace):
     from focus_jax import distributed
     from focus_jax.sharding import make_mesh, parse_mesh
 
-    if args.distributed or args.coordinator:
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    return make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    sizes = parse_mesh(args.mesh) if args.mesh is not None else None  # before any waiting
+    joining = args.distributed or args.coordinator is not None
+    if not joining and (args.num_processes is not None or args.process_id is not None):
+        raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT")
+    if joining:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               args.join_timeout)
+    return make_mesh(**sizes) if sizes is not None else None
 
 
 def _generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -79,7 +119,8 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         mode=args.mode, block_size=args.block_size, threshold=args.threshold, alpha=args.alpha,
         unmasking=args.unmasking, denoising_steps=args.denoising_steps,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, max_batch=args.max_batch)
+        top_p=args.top_p, seed=args.seed, max_batch=args.max_batch,
+        **_ladder(args.bucket_ladder))
 
 
 def load_model(path: Path | None, dtype: str | None = None, mesh=None):
@@ -116,24 +157,35 @@ def format_stats(stats: RunStats, num_layers: int) -> str:
     return "\n".join(lines)
 
 
+def format_compilations(compiled: Compilations, cache: Path | None) -> str:
+    """One line: programs compiled and read back from the persistent cache, and its folder."""
+    where = f"persistent cache {cache}" if cache else "persistent cache off"
+    return (f"compilation: {compiled.compiled} programs compiled, {compiled.loaded} read from "
+            f"the {where}, {compiled.seconds:.2f}s")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
+    from focus_jax.compilation import count_compilations
     from focus_jax.distributed import is_primary
+    from focus_jax.prompts import read_prompts_file
 
-    mesh = _mesh(args)
-    model = load_model(args.model, args.dtype, mesh)
+    # Everything that needs no model and no other process is checked first.
+    config = _generation_config(args)
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines()
-                    if line.strip()]
+        prompts += read_prompts_file(Path(args.prompts_file))
     if not prompts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
-    config = _generation_config(args)
+    cache = _compile_cache(args)
+    mesh = _mesh(args)
+    model = load_model(args.model, args.dtype, mesh)
     stream = len(prompts) == 1 and not args.no_stream and is_primary()
     printer = _StreamPrinter(model.tokenizer) if stream else None
-    results, stats = generate(model, prompts, config, chat=not args.no_chat,
-                              progress=not stream and is_primary(), on_tokens=printer,
-                              return_stats=True, mesh=mesh)
+    with count_compilations() as compiled:
+        results, stats = generate(model, prompts, config, chat=not args.no_chat,
+                                  progress=not stream and is_primary(), on_tokens=printer,
+                                  return_stats=True, mesh=mesh)
     if not is_primary():
         return 0
     if stream:
@@ -143,6 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"### {prompt}\n{result.text}\n")
     if args.stats:
         print(format_stats(stats, model.config.num_layers), file=sys.stderr)
+        print(format_compilations(compiled, cache), file=sys.stderr)
     return 0
 
 
@@ -172,37 +225,45 @@ class _StreamPrinter:
 def cmd_convert(args: argparse.Namespace) -> int:
     from focus_jax.checkpoint import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype)
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from focus_jax.api import generate
+    from focus_jax.compilation import count_compilations
 
+    config = GenerationConfig(mode="focus", max_new_tokens=args.max_new_tokens)
+    cache = _compile_cache(args)
     model = load_model(args.model)
-    config = GenerationConfig(mode="focus", max_new_tokens=args.max_new_tokens,
-                              block_size=None if model.config.block_size else 8,
-                              bucket_ladder=DEMO_LADDER)
-    for prompt in DEMO_PROMPTS:
-        print(f">>> {prompt}")
-        printer = _StreamPrinter(model.tokenizer)
-        results, stats = generate(model, prompt, config, on_tokens=printer, return_stats=True)
-        printer.finish(results[0].token_ids)
-        print(format_stats(stats, model.config.num_layers) + "\n")
+    if not model.config.block_size:
+        config = config.replace(block_size=8)
+    with count_compilations() as compiled:
+        for prompt in DEMO_PROMPTS:
+            print(f">>> {prompt}")
+            printer = _StreamPrinter(model.tokenizer)
+            results, stats = generate(model, prompt, config, on_tokens=printer,
+                                      return_stats=True)
+            printer.finish(results[0].token_ids)
+            print(format_stats(stats, model.config.num_layers) + "\n")
+    print(format_compilations(compiled, cache))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from focus_jax import evaluate, tasks
 
-    model = load_model(args.model, args.dtype)
+    _require_positive(args, "per_task", "max_batch", "max_new_tokens", "alpha")
     names = tuple(args.tasks.split(","))
     unknown = [t for t in names if t not in tasks.TASKS]
     if unknown:
         raise ConfigError(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")
+    modes = _modes(args.modes)
+    _compile_cache(args)
+    model = load_model(args.model, args.dtype)
     reports = evaluate.evaluate(model, tasks.held_out(args.per_task, tasks=names),
-                                args.modes.split(","), max_batch=args.max_batch,
+                                modes, max_batch=args.max_batch,
                                 max_new_tokens=args.max_new_tokens, alpha=args.alpha,
                                 progress=True)
     table = evaluate.markdown(reports)
@@ -225,23 +286,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from focus_jax import bench
     from focus_jax.distributed import is_primary
 
+    # Every option is checked before the peak measurement and the model (minutes on a CPU).
+    batches = _positive_integers("--batches", args.batches)
+    modes = _modes(args.modes)
+    _require_positive(args, "requests_per_slot", "max_new_tokens")
+    ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round}
+    GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
+    rates = _positive_rates(args.request_rate) if args.request_rate else None
+    _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
     model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
     peak = bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
-        f"measured bf16 peak {peak / 1e12:.0f} TFLOP/s")
-    ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
-              if args.bucket_ladder else {})
+        f"measured bf16 peak {peak / 1e12:.3g} TFLOP/s")
+    if rates:
+        return _bench_open_loop(args, model, mesh, say, ladder, batches, modes, rates)
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for r in bench.run(model, args.modes.split(","), batch, batch * args.requests_per_slot,
+    for batch in batches:
+        for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
                            args.max_new_tokens, mesh=mesh, **ladder):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
                    "peak_flops": peak,
-                   "model": str(args.model or args.geometry), "mesh": args.mesh,
+                   "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
+                   "mesh": args.mesh,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             rows.append(row)
@@ -249,8 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
-                f"compile {r.compile_seconds:5.1f}s  "
-                f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
+                f"compile {r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
+                f"{r.warmup_loaded} from cache)  prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
                 f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
                 f"compiles after warm-up {r.compilations}", flush=True)
             if args.json and is_primary():
@@ -258,21 +328,146 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from focus_jax.train import PairSource, TrainConfig, train
+def _bench_open_loop(args: argparse.Namespace, model, mesh, say, generation: dict,
+                     batches: list[int], modes: list[str], rates: list[float]) -> int:
+    """``bench --request-rate R1,R2,...``: Poisson arrivals at each rate, per batch and mode."""
+    import dataclasses
+    import json
 
+    from focus_jax import bench
+    from focus_jax.distributed import is_primary
+
+    rows = []
+    for batch in batches:
+        for rate in rates:
+            for mode in modes:
+                r = bench.run_open_loop(model, mode, batch, batch * args.requests_per_slot,
+                                        args.max_new_tokens, rate, mesh=mesh, **generation)
+                rows.append({**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
+                             "step_ms": r.step_ms, "model": str(args.model or args.geometry)})
+                say(f"bs{batch} rate {rate:g}/s {mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                    f"step {r.step_ms:6.2f} ms  admission wait mean {r.admission_wait['mean']:.3f}s"
+                    f"  first block p50/p90/p99 {r.first_block['p50']:.2f}/"
+                    f"{r.first_block['p90']:.2f}/{r.first_block['p99']:.2f}s  per token p50 "
+                    f"{1000 * r.per_token['p50']:.1f} ms  latency p50/p90/p99 "
+                    f"{r.latency['p50']:.1f}/{r.latency['p90']:.1f}/{r.latency['p99']:.1f}s  "
+                    f"compiles {r.compilations}", flush=True)
+                if args.json and is_primary():
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _positive_integers(option: str, text: str) -> list[int]:
+    """A comma-separated option of integers >= 1."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} {text!r} must be comma-separated integers >= 1, e.g. 32,64")
+    return values
+
+
+def _positive_rates(text: str) -> list[float]:
+    """``--request-rate``: comma-separated request rates > 0 (requests per second)."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise ConfigError(f"--request-rate {text!r} must be comma-separated rates > 0, e.g. 4,11,20")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    """``--modes``: comma-separated decoding modes."""
+    modes = text.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ConfigError(f"--modes: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    return modes
+
+
+def _require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Options (by ``args`` attribute) that must be > 0 when given; NaN is refused too."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from focus_jax.config import SUPPORTED_BLOCK_SIZES
+    from focus_jax.train import PairSource, TrainConfig, run, train
+
+    # Everything that needs no model is checked before the model loads.
+    _require_positive(args, "steps", "batch_size", "seq_len", "learning_rate", "log_every",
+                      "checkpoint_every", "checkpoint_seconds")
+    if args.block_size is not None and args.block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ConfigError(f"--block-size {args.block_size} is not supported; supported: "
+                          f"{SUPPORTED_BLOCK_SIZES}")
+    run.check_folder(args.out)
     model = load_model(args.model, "float32")
     block = args.block_size or model.config.block_size
     if block is None:
         raise ConfigError("the model names no block_size: pass --block-size")
+    if args.seq_len % block:
+        raise ConfigError(f"--seq-len {args.seq_len} is not a multiple of the block size {block}")
     source = PairSource(model, args.data, args.batch_size, args.seq_len, seed=args.seed)
     if source.dropped:
         print(f"note: {source.dropped} pairs longer than {args.seq_len} tokens were dropped",
               file=sys.stderr)
     cfg = TrainConfig(steps=args.steps, learning_rate=args.learning_rate, block_size=block,
-                      warmup_steps=min(100, args.steps // 10), seed=args.seed)
-    train(model, source, cfg, args.out)
-    print(f"wrote {Path(args.out) / 'model'}")
+                      warmup_steps=min(100, args.steps // 10), seed=args.seed,
+                      log_every=args.log_every, checkpoint_every=args.checkpoint_every,
+                      checkpoint_seconds=args.checkpoint_seconds)
+    try:
+        train(model, source, cfg, args.out, overwrite=args.overwrite)
+    except KeyboardInterrupt as stop:
+        print(f"focus-jax: {stop or 'interrupted'}", file=sys.stderr)
+        return 130
+    print(f"wrote {Path(args.out) / run.MODEL_DIR}")
+    return 0
+
+
+SERVE_CONTEXT = 4096
+"""The server's default context (cache positions per slot) when the model allows more."""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from focus_jax.engine import AsyncEngine, Engine
+    from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
+    from focus_jax.sharding import make_mesh, parse_mesh
+
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise ConfigError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and "
+                          f"{args.max_queue}")
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose "
+                          f"another --port or --host") from None
+    mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    model = load_model(args.model, args.dtype, mesh)
+    if model.tokenizer is None:
+        raise ConfigError("the model folder has no tokenizer, which the server needs")
+    positions = model.config.max_position_embeddings
+    context = args.max_model_len or min(positions, SERVE_CONTEXT)
+    if not 1 <= context <= positions:
+        raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
+                          f"max_position_embeddings), got {context}")
+    config = GenerationConfig(mode=args.mode, **_ladder(args.bucket_ladder))
+    engine = Engine(model, config, slots=args.max_batch, cache_len=context, mesh=mesh)
+    name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
+    print(f"focus-jax serve: compiling every program for {args.max_batch} slots x {context} "
+          f"positions, {args.mode} mode ...", file=sys.stderr, flush=True)
+    engine.warmup()
+    app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
+                     ServeSettings(model_name=name, api_key=args.api_key,
+                                   grace_seconds=args.grace_period))
+    host, port = sock.getsockname()[:2]
+    print(f"focus-jax serve: {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    serve(app, sock, log_level=args.log_level)
     return 0
 
 
@@ -325,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("hf_dir", type=Path)
     conv.add_argument("out_dir", type=Path)
     conv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    conv.add_argument("--overwrite", action="store_true",
+                      help="replace the model folder at OUT_DIR (kept until the new one is complete)")
     conv.set_defaults(func=cmd_convert)
 
     ev = sub.add_parser("eval", help="exact match and compute of the modes on held-out tasks")
@@ -340,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, default=128,
                     help="the worked answers run to about 100 tokens")
     ev.add_argument("--markdown", help="also write the tables to this file")
+    _add_compile_cache_option(ev)
     ev.set_defaults(func=cmd_eval)
 
     be = sub.add_parser("bench", help="closed-loop throughput of the modes")
@@ -352,7 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--modes", default="baseline,delayed,focus")
     be.add_argument("--bucket-ladder", default=None,
                     help="compaction bucket sizes as fractions of slots x block, comma-separated")
+    be.add_argument("--request-rate", default=None,
+                    help="open loop: Poisson arrivals at these rates (requests/s, comma-separated)"
+                         " instead of all requests at once")
+    be.add_argument("--steps-per-round", type=int, default=GenerationConfig.steps_per_round,
+                    help="denoising steps per device round (admissions happen between rounds)")
     be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
+    _add_compile_cache_option(be)
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)
 
@@ -360,19 +564,60 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", type=Path, required=True)
     tr.add_argument("--data", type=Path, required=True,
                     help='JSON lines: {"prompt": ..., "response": ...}')
-    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--out", type=Path, required=True,
+                    help="the run's folder (checkpoints, log.jsonl, the model in OUT/model); the "
+                         "same command again resumes the run")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="start over in an --out that holds another run")
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--batch-size", type=int, default=16)
     tr.add_argument("--seq-len", type=int, default=512)
     tr.add_argument("--learning-rate", type=float, default=1e-5)
-    tr.add_argument("--block-size", type=int, default=None)
+    tr.add_argument("--block-size", type=int, default=None,
+                    help="block size to train with (default: the model's); the exported config "
+                         "says it")
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--log-every", type=int, default=50, help="steps between log.jsonl records")
+    tr.add_argument("--checkpoint-every", type=int, default=None,
+                    help="also save a checkpoint every N steps")
+    tr.add_argument("--checkpoint-seconds", type=float, default=180.0,
+                    help="save a checkpoint at least this often (default 180; also at the end "
+                         "and on Ctrl-C)")
     tr.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="generate for three held-out prompts with the default model")
     demo.add_argument("--model", type=Path, default=None)
     demo.add_argument("--max-new-tokens", type=int, default=128)
+    _add_compile_cache_option(demo)
     demo.set_defaults(func=cmd_demo)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    srv.add_argument("--model", type=Path, default=None,
+                     help=f"model folder (default: {BUNDLED_MODEL})")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* requests")
+    srv.add_argument("--mode", choices=MODES, default="focus")
+    srv.add_argument("--max-batch", type=int, default=32, help="slots decoded together")
+    srv.add_argument("--max-queue", type=int, default=256,
+                     help="requests that may wait for a slot; beyond it: 429 with Retry-After")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help=f"prompt + generated tokens per request (cache positions per slot; "
+                          f"default: the model's max_position_embeddings, at most {SERVE_CONTEXT})")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model's name in the API (default: the model folder's name)")
+    srv.add_argument("--bucket-ladder", default=None,
+                     help="compaction bucket sizes as fractions of slots x block, comma-separated "
+                          "(fewer: faster warm-up, more padding)")
+    srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    srv.add_argument("--grace-period", type=float, default=30.0,
+                     help="seconds running requests get to finish on SIGTERM before they are aborted")
+    srv.add_argument("--mesh", default=None,
+                     help="shard over devices: data=D,model=M (slots over data, heads/MLP over model)")
+    srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
+                     default="info")
+    srv.set_defaults(func=cmd_serve)
 
     cc = sub.add_parser("compile-check", help="compile every program for a TPU slice, here, "
                                               "and check that it fits the chips' HBM")
@@ -411,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RequestError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, RequestError, OSError, ValueError) as err:
         print(f"focus-jax: error: {err}", file=sys.stderr)
         return 2
 

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from focus_jax import decoding, engine, sharding, tpu
+from focus_jax import compilation, decoding, engine, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
-from focus_jax.compaction import bucket_ladder
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
+from focus_jax.engine.core import decode_settings
+from focus_jax.engine.params import slot_params_rows
 from focus_jax.models.params import abstract_decoder
-from focus_jax.unmasking import Sampler
 from pallas_kernels.dispatch import PLATFORM_DEFAULT
 
 # The kernels a TPU runs by default (both ops default to their Pallas TPU kernel). Named here:
@@ -75,7 +75,7 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
     if mesh is None and slice_.chips > 1:
         raise ConfigError(f"{slice_.name} has {slice_.chips} chips: give --mesh data=D,model=M "
                           f"(D x M chips; data=1,model=1 for one of them)")
-    sizes = sharding.parse_mesh(mesh or "")
+    sizes = sharding.parse_mesh(mesh) if mesh else {"data": 1, "model": 1}
     if sizes["data"] * sizes["model"] > slice_.chips:
         raise ConfigError(f"mesh {mesh} needs {sizes['data'] * sizes['model']} chips, "
                           f"{slice_.name} has {slice_.chips}")
@@ -136,15 +136,8 @@ class ProgramReport:
 
 def settings(target: Target, mesh: Mesh | None) -> decoding.DecodeSettings:
     """The decode settings the engine would build for the target (see ``Engine.__init__``)."""
-    config, block = target.generation, target.block_size
-    ladder = bucket_ladder(target.slots // target.data * block, config.bucket_ladder)
-    return decoding.DecodeSettings(
-        mode=config.mode, block_size=block, mask_token_id=_mask_token(target.cfg),
-        threshold=config.resolved_threshold, alpha=config.alpha, unmasking=config.unmasking,
-        per_step=decoding.tokens_per_step(block, config.denoising_steps),
-        sampler=Sampler(config.temperature, config.top_k, config.top_p),
-        processed_ladder=ladder, retained_ladder=ladder,
-        stop_token_ids=config.stop_token_ids or (), kernels=target.kernels, mesh=mesh)
+    config = target.generation.replace(kernels=target.kernels)
+    return decode_settings(config, _mask_token(target.cfg), target.slots, "tpu", mesh)
 
 
 def _mask_token(cfg: ModelConfig) -> int:
@@ -175,25 +168,26 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
     graphdef, params, state = _shapes(target)
     params = tpu.abstract(params, sharding.param_shardings(params, mesh))
     state = tpu.abstract(state, sharding.state_sharding(state, mesh))
-    prefill, decode_round = engine.programs("tpu")
+    step = settings(target, mesh)
+    prefill = compilation.prefill_program("tpu", graphdef, step, target.slots, target.positions)
 
     def replicated(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
     kept = resident(target).total
-    n, block, mask = target.prefill_batch, target.block_size, _mask_token(target.cfg)
+    n, block = target.prefill_batch, target.block_size
     rows = replicated((n,), jnp.int32)
+    slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype), slot_params_rows([], n))
     for length in target.prompt_buckets:
-        result = tpu.compile_program(mesh, prefill, graphdef, block, mask, params, state,
-                                     replicated((n, length), jnp.int32), rows, rows, rows)
+        result = tpu.compile_program(mesh, prefill, params, state,
+                                     replicated((n, length), jnp.int32), rows, rows, slot_params)
         yield ProgramReport(f"prefill {n}x{length}", result,
                             prefill_flops(target.cfg, n, length, block), target.hbm_bytes, kept)
     if not decode:
         return
-    step = settings(target, mesh)
-    result = tpu.compile_program(mesh, decode_round, graphdef, step,
-                                 target.generation.steps_per_round, params, state,
-                                 replicated((), jnp.bool_))
+    decode_round = compilation.decode_round_program(
+        "tpu", graphdef, step, target.generation.steps_per_round, target.slots, target.positions)
+    result = tpu.compile_program(mesh, decode_round, params, state, replicated((), jnp.bool_))
     yield ProgramReport("decode round", result, decode_flops_range(target)[0], target.hbm_bytes,
                         kept)
 
@@ -226,7 +220,7 @@ def decode_step_flops(cfg: ModelConfig, settings: decoding.DecodeSettings, slots
     flops = processed * (2 * qkv + rest + attend)
     flops += retained * (rest + attend + later * (qkv + rest + attend))
     flops += retained * 2 * cfg.hidden_size * cfg.vocab_size
-    if settings.mode == "focus":
+    if settings.policies.eviction.evicts:
         b = settings.block_size
         flops += 2 * slots * 2 * cfg.num_heads * cfg.head_dim * b * b
     return float(flops)

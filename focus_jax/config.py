@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,11 @@ DEFAULT_THRESHOLD = {"baseline": 0.9, "delayed": 0.9, "focus": 0.8}
 # about half, so the fine steps sit where they save the most; 16 buckets, 16 compiled branches.
 DEFAULT_LADDER = (tuple(k / 32 for k in range(1, 8)) + tuple(k / 16 for k in range(4, 8))
                   + tuple(k / 8 for k in range(4, 9)))
+# On CPUs compiling the decode round dominates a short run, and padding costs little there: on 2
+# cores the bundled model's round at 64 slots compiles in 45.6 / 20.8 / 14.3 / 9.4 CPU-seconds
+# with 16 / 8 / 4 / 2 buckets and decodes 64 held-out questions in 16.5 / 16.9 / 16.9 / 22.4
+# (docs/startup.md).
+CPU_LADDER = (0.25, 0.5, 0.75, 1.0)
 
 Mode = Literal["baseline", "delayed", "focus"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
@@ -185,6 +191,32 @@ def _hf_dtype(raw: dict[str, Any]) -> str:
     return name if name in ("bfloat16", "float32") else "bfloat16"
 
 
+def is_integer(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_integer(name: str, value: Any, minimum: int | None = None) -> int:
+    """``value`` as a Python int if it is an integer (>= ``minimum``), else ``ConfigError``
+    naming ``name``: a fraction would be truncated somewhere below, silently."""
+    if not is_integer(value) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ConfigError(f"{name} must be an integer{bound}, got {value!r}")
+    return int(value)
+
+
+def _is_finite(value: Any) -> bool:
+    """A finite real number (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _sequence(name: str, value: Any) -> tuple[Any, ...]:
+    """The elements of a list, tuple or 1-D array field (a string or a mapping is refused)."""
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{name} must be a sequence, got {value!r}")
+    return tuple(value)
+
+
 # Sizes of the public SDAR chat checkpoints, for benchmarks with random weights built on the device.
 NAMED_GEOMETRIES: dict[str, dict[str, Any]] = {
     "sdar-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
@@ -223,13 +255,17 @@ class GenerationConfig:
     """Slots decoded together (None: all prompts at once, up to 64)."""
     max_cache_len: int | None = None
     """Cache positions per slot (None: the longest prompt plus max_new_tokens, rounded up)."""
-    bucket_ladder: tuple[float, ...] = DEFAULT_LADDER
-    """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size."""
+    bucket_ladder: tuple[float, ...] | None = None
+    """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size
+    (None: the platform's, :meth:`ladder_for`)."""
     kernels: str | None = None
     """Kernels for attention and FOCUS importance: ``xla``, ``pallas_tpu``,
     ``pallas_tpu_interpret``, ``triton`` (None: the platform's default)."""
-    steps_per_round: int = 32
-    """Denoising steps run on the device per host round trip (streaming and progress granularity)."""
+    steps_per_round: int = 16
+    """Denoising steps run on the device per host round trip: requests are admitted, and blocks
+    streamed, between rounds. 16 measured as fast as 32 at SDAR-8B batch 256 on an H200 (3244 vs
+    3241 output tok/s; 8: 3225) while halving the wait for a round to end (docs/benchmarks.md,
+    "Request lifecycle")."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -237,31 +273,62 @@ class GenerationConfig:
         if self.unmasking not in UNMASKING_RULES:
             raise ConfigError(f"unmasking {self.unmasking!r} is not one of "
                               f"{', '.join(UNMASKING_RULES)}")
+        self._integer("block_size", optional=True)
         if self.block_size is not None and self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ConfigError(f"block_size {self.block_size} is not supported; supported: "
                               f"{SUPPORTED_BLOCK_SIZES}")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ConfigError(f"threshold must lie in [0, 1], got {self.threshold}")
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ConfigError(f"alpha must be a positive number, got {self.alpha}")
-        if self.denoising_steps is not None and self.denoising_steps < 1:
-            raise ConfigError(f"denoising_steps must be >= 1, got {self.denoising_steps}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.steps_per_round < 1:
-            raise ConfigError(f"steps_per_round must be >= 1, got {self.steps_per_round}")
-        if not self.bucket_ladder or any(not 0.0 < f <= 1.0 for f in self.bucket_ladder):
-            raise ConfigError(f"bucket_ladder must be fractions in (0, 1], got {self.bucket_ladder}")
-        if max(self.bucket_ladder) != 1.0:
-            raise ConfigError("bucket_ladder must end at 1.0 so that every token fits a bucket")
+        self._number("threshold", 0.0, 1.0, optional=True)
+        self._number("alpha", 0.0, low_open=True)
+        self._integer("denoising_steps", minimum=1, optional=True)
+        self._integer("max_new_tokens", minimum=1)
+        self._number("temperature", 0.0)
+        self._integer("top_k", minimum=0)
+        self._number("top_p", 0.0, 1.0, low_open=True)
+        self._integer("seed")
+        self._integer("max_batch", minimum=1, optional=True)
+        self._integer("max_cache_len", minimum=1, optional=True)
+        self._integer("steps_per_round", minimum=1)
+        if self.stop_token_ids is not None:
+            ids = _sequence("stop_token_ids", self.stop_token_ids)
+            if not all(is_integer(t) and t >= 0 for t in ids):
+                raise ConfigError(f"stop_token_ids must be token ids (integers >= 0), got "
+                                  f"{self.stop_token_ids!r}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if self.bucket_ladder is not None:
+            ladder = _sequence("bucket_ladder", self.bucket_ladder)
+            if not ladder or not all(_is_finite(f) and 0.0 < f <= 1.0 for f in ladder):
+                raise ConfigError(f"bucket_ladder must be fractions in (0, 1], got "
+                                  f"{self.bucket_ladder!r}")
+            if max(ladder) != 1.0:
+                raise ConfigError("bucket_ladder must end at 1.0 so that every token fits a bucket")
+            object.__setattr__(self, "bucket_ladder", tuple(float(f) for f in ladder))
+
+    def _integer(self, name: str, minimum: int | None = None, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if not (value is None and optional):
+            object.__setattr__(self, name, check_integer(name, value, minimum))
+
+    def _number(self, name: str, low: float, high: float = math.inf, low_open: bool = False,
+                optional: bool = False) -> None:
+        """Check the field ``name`` is a finite number in [low, high] (``(low, high]`` with
+        ``low_open``), stored as a Python float. (NaN passes no comparison: it is refused.)"""
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if not (_is_finite(value) and (value > low if low_open else value >= low)
+                and value <= high):
+            left = "(" if low_open else "["
+            wanted = (f"in {left}{low:g}, {high:g}]" if math.isfinite(high)
+                      else f"{'>' if low_open else '>='} {low:g}")
+            raise ConfigError(f"{name} must be a finite number {wanted}, got {value!r}")
+        object.__setattr__(self, name, float(value))
+
+    def ladder_for(self, platform: str) -> tuple[float, ...]:
+        """The bucket ladder on devices of ``platform``: the configured one, else
+        ``CPU_LADDER`` on CPUs and ``DEFAULT_LADDER`` elsewhere."""
+        if self.bucket_ladder is not None:
+            return self.bucket_ladder
+        return CPU_LADDER if platform == "cpu" else DEFAULT_LADDER
 
     @property
     def resolved_threshold(self) -> float:

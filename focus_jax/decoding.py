@@ -16,47 +16,44 @@ Everything here is a pure function of pytrees, compiled once per shape. The step
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from focus_jax import focus, sharding
+from focus_jax import sharding
 from focus_jax.cache import KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
-from focus_jax.unmasking import Sampler, unmask
-from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
+from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, kernel
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
-MASKED, UNMASKED, CACHED = 0, 1, 2
+__all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "SlotParams", "StepLog",
+           "decode_round", "init_state", "prefill", "release", "step"]
+
+MAX_STOP_IDS = 8
+"""Stop token ids a request may name (the per-slot table's width)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-    """Everything static about a decode program (hashable: a jit static argument)."""
+    """Everything static about a decode program (hashable: a jit static argument). What a
+    request may choose for itself lives in the state (:class:`SlotParams`)."""
 
-    mode: str
     block_size: int
     mask_token_id: int
-    threshold: float
-    alpha: float
-    unmasking: str
-    per_step: int
-    sampler: Sampler
+    policies: Policies
+    """Processed-token policy, eviction policy, unmasking rule and sampler."""
     processed_ladder: tuple[int, ...]
     """Bucket sizes for the processed tokens (rows of the flat ``S*B`` token axis)."""
     retained_ladder: tuple[int, ...]
     """Bucket sizes for the retained tokens."""
-    stop_token_ids: tuple[int, ...]
     kernels: str | None = None
-    """Kernel implementation for attention and importance (``None``: the platform default)."""
+    """Kernel implementation for attention (``None``: the platform default)."""
     unroll_layers: bool = False
     """Unroll the layer scan (for cost analysis; compile time then grows with depth)."""
     mesh: Mesh | None = None
@@ -64,9 +61,35 @@ class DecodeSettings:
     runs the step on its own slots (its own compaction and buckets; the ladders count one
     shard's rows)."""
 
-    @property
-    def delayed_cache(self) -> bool:
-        return self.mode != "baseline"
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotParams:
+    """Each slot's request parameters (``S`` rows; the rows of a prefill batch have ``n``)."""
+
+    max_new: Int[Array, "s"]
+    temperature: Float[Array, "s"]
+    """0: greedy."""
+    top_k: Int[Array, "s"]
+    """0: no limit."""
+    top_p: Float[Array, "s"]
+    threshold: Float[Array, "s"]
+    """Confidence threshold of the unmasking rule."""
+    alpha: Float[Array, "s"]
+    """FOCUS budget factor."""
+    stop_ids: Int[Array, "s k"]
+    """Stop token ids, padded with -1 (which no token equals)."""
+    seed: Int[Array, "s"]
+
+    @classmethod
+    def empty(cls, slots: int) -> SlotParams:
+        def zeros(dtype=jnp.int32) -> Array:  # a buffer per field (the state is donated)
+            return jnp.zeros((slots,), dtype)
+
+        return cls(max_new=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
+                   top_p=zeros(jnp.float32) + 1, threshold=zeros(jnp.float32) + 1,
+                   alpha=zeros(jnp.float32) + 1, stop_ids=jnp.full((slots, MAX_STOP_IDS), -1),
+                   seed=zeros(jnp.uint32))
 
 
 @jax.tree_util.register_dataclass
@@ -89,12 +112,11 @@ class DecodeState:
     live: Bool[Array, "s"]
     """The slot holds a request that is still decoding."""
     prompt_len: Int[Array, "s"]
-    max_new: Int[Array, "s"]
     out_len: Int[Array, "s"]
     """Generated tokens to return, set when the request finishes."""
     sequence: Int[Array, "s m"]
     """Prompt and completed blocks of each slot."""
-    rng: Array
+    params: SlotParams
     cache: KVCache
 
 
@@ -118,7 +140,7 @@ class StepLog:
 
 
 def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
-               mask_token_id: int, seed: int = 0) -> DecodeState:
+               mask_token_id: int) -> DecodeState:
     """An engine state with every slot free."""
     if positions % block_size:
         raise ValueError(f"cache positions {positions} must be a multiple of the block size")
@@ -129,22 +151,22 @@ def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
         tokens=jnp.full((slots, block_size), mask_token_id, jnp.int32),
         slot_state=jnp.zeros((slots, block_size), jnp.int32),
         history=zeros(), progress=zeros() - 1, block_decoded=zeros(), block_steps=zeros(),
-        live=jnp.zeros((slots,), bool), prompt_len=zeros(), max_new=zeros(), out_len=zeros(),
+        live=jnp.zeros((slots,), bool), prompt_len=zeros(), out_len=zeros(),
         sequence=jnp.full((slots, positions), mask_token_id, jnp.int32),
-        rng=jax.random.PRNGKey(seed),  # raw uint32 key data: plain to move between hosts
+        params=SlotParams.empty(slots),
         cache=KVCache.create(cfg, slots, positions),
     )
 
 
 def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
-            length: Int[Array, "n"], slot: Int[Array, "n"], max_new: Int[Array, "n"],
+            length: Int[Array, "n"], slot: Int[Array, "n"], params: SlotParams,
             block_size: int, mask_token_id: int) -> DecodeState:
     """Start requests in slots (SPEC 2): write the KV of every full prompt block but the last.
 
     ``tokens`` are prompts right-padded to a common length (a multiple of B); rows whose ``slot``
     is out of range are padding and change nothing. The block holding the prompt tail (or a
     fresh block when the prompt fills its blocks) becomes the active block, its prompt positions
-    ``UNMASKED``.
+    ``UNMASKED``. ``params`` are the requests' parameters (``n`` rows).
     """
     b, mask = block_size, mask_token_id
     n, t = tokens.shape
@@ -173,11 +195,17 @@ def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
         block_steps=put(state.block_steps, jnp.zeros((n,))),
         live=put(state.live, jnp.ones((n,), bool)),
         prompt_len=put(state.prompt_len, length),
-        max_new=put(state.max_new, max_new),
         out_len=put(state.out_len, jnp.zeros((n,))),
         sequence=put(state.sequence, row),
+        params=jax.tree.map(put, state.params, params),
         cache=cache,
     )
+
+
+def release(state: DecodeState, slots: Int[Array, "n"]) -> DecodeState:
+    """Stop the requests in ``slots`` (aborted): they take no further steps. Out-of-range
+    entries are padding."""
+    return dataclasses.replace(state, live=state.live.at[slots].set(False, mode="drop"))
 
 
 def _rightmost(flags: Bool[Array, "s b"]) -> Int[Array, "s"]:
@@ -194,7 +222,7 @@ def step(model: Decoder, state: DecodeState,
     """
     mesh = settings.mesh
     if mesh is None or mesh.shape["data"] == 1:
-        return _step(model, state, settings, row_offset=0)
+        return _step(model, state, settings)
 
     graphdef, params = nnx.split(model)
     # Specs name the manual axis only: the model axis stays with the partitioner.
@@ -203,9 +231,7 @@ def step(model: Decoder, state: DecodeState,
     log_spec = StepLog(data, data, data, data, data, PartitionSpec(), PartitionSpec())
 
     def shard_step(params, state: DecodeState) -> tuple[DecodeState, StepLog]:
-        # Rows are numbered globally so that sampling keys match the unsharded step.
-        offset = jax.lax.axis_index("data") * state.tokens.size
-        state, log = _step(nnx.merge(graphdef, params), state, settings, row_offset=offset)
+        state, log = _step(nnx.merge(graphdef, params), state, settings)
         # The slowest shard sets the pace: report the largest bucket of any shard.
         return state, dataclasses.replace(
             log, processed_bucket=jax.lax.pmax(log.processed_bucket, "data"),
@@ -215,150 +241,56 @@ def step(model: Decoder, state: DecodeState,
                          out_specs=(state_spec, log_spec), axis_names={"data"})(params, state)
 
 
-def _kernel(settings: DecodeSettings, op: Callable, sharded_op: Callable) -> Callable:
-    """``op`` with the step's kernels; on a mesh, its sharded entry point, which runs it inside
-    ``shard_map`` over the mesh axes the step leaves to the partitioner: a Mosaic or Triton
-    call cannot be partitioned, and each device then attends with its own slots and heads."""
-    if settings.mesh is None:
-        return functools.partial(op, impl=settings.kernels)
-    return functools.partial(sharded_op, settings.mesh, impl=settings.kernels)
-
-
-def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
-          row_offset: Int[Array, ""] | int) -> tuple[DecodeState, StepLog]:
+def _step(model: Decoder, state: DecodeState,
+          settings: DecodeSettings) -> tuple[DecodeState, StepLog]:
+    """The step on one shard's slots: layers 0-1 on the processed tokens, the eviction policy,
+    layers >= 2 on the retained ones, the LM head and sampler on the candidates, the unmasking
+    rule, then slot states, stops and commits (the policies: :mod:`focus_jax.policies`)."""
+    policies = settings.policies
     s, b = state.tokens.shape
     flat = s * b
-    index = jnp.arange(b)
     masked = state.slot_state == MASKED
     decoding = state.live & masked.any(axis=-1)
     committing = state.live & ~masked.any(axis=-1)
 
-    processed = jnp.broadcast_to(state.live[:, None], (s, b))
-    if settings.delayed_cache:
-        processed = processed & (state.slot_state != CACHED)
-    # Layers 0-1 write KV for every processed token and attend up to the rightmost of them.
-    kv_len_processed = state.history + _rightmost(processed) + 1
-
-    position = (state.history[:, None] + index).reshape(flat)
-    slot_of_row = jnp.arange(flat) // b
-
-    # Rows stay in their compaction's compact order (a bucket's rows are a static slice), padded
-    # to the fixed length S*B where a bucket hands them on.
-    def padded(a: Array) -> Array:
-        return jnp.pad(a, [(0, flat - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-
-    def cache_target(rows, valid):
-        """The slot each row writes its KV to; padding rows (and rows not kept) write nothing."""
-        return jnp.where(valid, slot_of_row[rows], s)
-
-    def attend_and_finish_rows(layer_index, rows, valid, x, q, cache: KVCache, kv_len):
-        """The second half of a layer for a bucket's rows (padding rows pass through)."""
-        attn = _kernel(settings, ragged_attention, ragged_attention_sharded)(
-            q, rows, valid, cache.k, cache.v, layer_index, kv_len, block_size=b)
-        return jnp.where(valid[:, None], model.layer(layer_index).finish(x, attn), x)
-
-    # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
-    # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
-    # whole cache per branch. Layers are read out of the weight stack inside the branches,
-    # next to their matmuls: a layer sliced outside would enter every branch as a copy.
-    def project(rows_of: Compaction, layer_index, x, cache: KVCache):
-        def work(rows, valid, x):
-            q, k, v = model.layer(layer_index).qkv(x[:rows.shape[0]], position[rows])
-            return padded(q), padded(k), padded(v)
-
-        q, k, v = rows_of.run(work, x)
-        target = cache_target(rows_of.rows, rows_of.kept_in_order)
-        return q, k, cache.write(layer_index, target, position[rows_of.rows], k, v)
-
-    def attend_and_finish(rows_of: Compaction, layer_index, x, q, cache: KVCache, kv_len):
-        def work(rows, valid, x, q, cache: KVCache):
-            size = rows.shape[0]
-            finished = attend_and_finish_rows(layer_index, rows, valid, x[:size], q[:size], cache,
-                                              kv_len)
-            return jax.lax.dynamic_update_slice_in_dim(x, finished, 0, axis=0)
-
-        return rows_of.run(work, x, q, cache)
-
+    processed = policies.processing.processed(state.live, state.slot_state)
+    layers = _Layers(model, settings, state)
     processed_rows = Compaction(processed.reshape(flat), settings.processed_ladder)
-    x = model.embed_tokens(state.tokens.reshape(flat)[processed_rows.rows])
-    q0, k0, cache = project(processed_rows, 0, x, state.cache)
-    x = attend_and_finish(processed_rows, 0, x, q0, cache, kv_len_processed)
-    q1, k1, cache = project(processed_rows, 1, x, cache)
+    x, cache, first_layers = layers.first_two(processed_rows, state.cache,
+                                              kv_len=state.history + _rightmost(processed) + 1)
 
-    if settings.mode == "focus":
-        def blocks(a):
+    if policies.eviction.evicts:
+        def blocks(a: Array) -> Array:
             return processed_rows.to_flat(a).reshape(s, b, *a.shape[1:])
 
-        masked_processed = processed & masked
-        def importance(q, k):
-            return _kernel(settings, focus_importance, focus_importance_sharded)(
-                blocks(q), blocks(k), masked_processed)
-
-        delta = importance(q1, k1) - importance(q0, k0)
         avg = jnp.where(state.block_steps > 0,
                         state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
-        retained = processed & ~masked | focus.select_retained(
-            delta, masked_processed, state.progress, avg, settings.alpha)
+        retained = policies.eviction.retained(
+            processed, masked, tuple(blocks(a) for a in first_layers), state.progress, avg,
+            state.params.alpha)
         # Retained rows are processed rows: re-order x and layer 1's queries to their compaction.
         retained_rows = Compaction(retained.reshape(flat), settings.retained_ladder)
         reorder = processed_rows.inverse[retained_rows.rows]
-        x, q1 = x[reorder], q1[reorder]
+        x, q1 = x[reorder], first_layers[2][reorder]
     else:
-        retained, retained_rows = processed, processed_rows
+        retained, retained_rows, q1 = processed, processed_rows, first_layers[2]
     rightmost_retained = _rightmost(retained)
-    kv_len_retained = state.history + rightmost_retained + 1
-    step_key, next_key = jax.random.split(state.rng)
-
-    # Retained tokens finish layer 1 (evicted ones stop here), then run layers >= 2.
-    x = attend_and_finish(retained_rows, 1, x, q1, cache, kv_len_retained)
-
-    # Layers >= 2 run the same rows, so one bucket runs them all (KV writes included).
-    def later_layers(rows, valid, carry):
-        x, cache = carry
-        row_position, target = position[rows], cache_target(rows, valid)
-
-        # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
-        # dynamic-slice fusion (on with engine.GPU_COMPILER_OPTIONS), which lets the GEMMs read
-        # each layer's weights in place in the stack, takes only offsets computed from a loop
-        # counter (docs/benchmarks.md, "Weight reads").
-        def layer(layer_index, carry):
-            h, cache = carry
-            q, k, v = model.layer(layer_index).qkv(h, row_position)
-            cache = cache.write(layer_index, target, row_position, k, v)
-            return attend_and_finish_rows(layer_index, rows, valid, h, q, cache,
-                                          kv_len_retained), cache
-
-        h, cache = jax.lax.fori_loop(2, model.config.num_layers, layer, (x[:rows.shape[0]], cache),
-                                     unroll=settings.unroll_layers)
-        return jax.lax.dynamic_update_slice_in_dim(x, h, 0, axis=0), cache
-
-    x, cache = retained_rows.run_in_place(later_layers, (x, cache))
+    x, cache = layers.rest(retained_rows, x, q1, cache,
+                           kv_len=state.history + rightmost_retained + 1)
 
     # The LM head runs only where a token can be chosen: the masked rows of decoding slots (the
-    # others keep their tokens; unmask reads nothing else).
+    # others keep their tokens; the unmasking rule reads nothing else).
     candidates = retained & masked & decoding[:, None]
-    candidate_rows = Compaction(candidates.reshape(flat), settings.retained_ladder)
+    token, confidence = layers.choose(candidates, retained_rows, x)
 
-    def head(rows, valid, x):
-        token, confidence = _choose_tokens(model, settings.sampler, x[retained_rows.inverse[rows]],
-                                           rows, step_key, row_offset)
-        return padded(token), padded(confidence)
-
-    token, confidence = (candidate_rows.to_flat(a) for a in candidate_rows.run(head, x))
-
-    chosen = unmask(candidates, confidence.reshape(s, b), settings.unmasking,
-                    settings.threshold, settings.per_step)
-    tokens = jnp.where(chosen, token.reshape(s, b), state.tokens)
+    chosen = policies.unmasking(candidates, confidence, state.params.threshold)
+    tokens = jnp.where(chosen, token, state.tokens)
     slot_state = jnp.where(chosen, UNMASKED, state.slot_state)
-    if settings.delayed_cache:
-        # From the states at this step's input: a token decoded now is re-run once with its real
-        # embedding next step; a decoded token right before a mask stays live.
-        settled = ~masked & jnp.pad(~masked[:, 1:], ((0, 0), (0, 1)), constant_values=True)
-        slot_state = jnp.where(processed & settled, CACHED, slot_state)
+    slot_state = policies.processing.settle(slot_state, state.slot_state, processed)
     decoded = chosen.sum(axis=-1)
 
     completed = decoding & ~(slot_state == MASKED).any(axis=-1)
-    state = _finish_blocks(state, completed, tokens, settings)
+    state = _finish_blocks(state, completed, tokens)
     fresh = jnp.full_like(tokens, settings.mask_token_id)
     state = dataclasses.replace(
         state,
@@ -368,7 +300,6 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
         progress=jnp.where(committing, -1, jnp.maximum(state.progress, rightmost_retained)),
         block_decoded=jnp.where(committing, 0, state.block_decoded + decoded),
         block_steps=jnp.where(committing, 0, state.block_steps + (decoded > 0)),
-        rng=next_key,
         cache=cache,
     )
     log = StepLog(processed=processed, retained=retained, decoded=chosen, sampled=candidates,
@@ -377,31 +308,140 @@ def _step(model: Decoder, state: DecodeState, settings: DecodeSettings,
     return state, log
 
 
+class _Layers:
+    """The model's work in one step, on compacted rows of the flat ``S*B`` token axis.
+
+    Rows stay in their compaction's compact order (a bucket's rows are a static slice), padded
+    to the fixed length ``S*B`` where a bucket hands them on.
+    """
+
+    def __init__(self, model: Decoder, settings: DecodeSettings, state: DecodeState):
+        s, b = state.tokens.shape
+        self.model, self.settings, self.state = model, settings, state
+        self.flat, self.block_size, self.slots = s * b, b, s
+        self.position = (state.history[:, None] + jnp.arange(b)).reshape(s * b)
+        self.slot_of_row = jnp.arange(s * b) // b
+
+    def _padded(self, a: Array) -> Array:
+        return jnp.pad(a, [(0, self.flat - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+    def _cache_target(self, rows: Int[Array, "n"], valid: Bool[Array, "n"]) -> Int[Array, "n"]:
+        """The slot each row writes its KV to; padding rows (and rows not kept) write nothing."""
+        return jnp.where(valid, self.slot_of_row[rows], self.slots)
+
+    def _attend_and_finish_rows(self, layer_index, rows, valid, x, q, cache: KVCache, kv_len):
+        """The second half of a layer for a bucket's rows (padding rows pass through)."""
+        attention = kernel(ragged_attention, ragged_attention_sharded, self.settings.kernels,
+                           self.settings.mesh)
+        attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
+                         block_size=self.block_size)
+        return jnp.where(valid[:, None], self.model.layer(layer_index).finish(x, attn), x)
+
+    # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
+    # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
+    # whole cache per branch. Layers are read out of the weight stack inside the branches,
+    # next to their matmuls: a layer sliced outside would enter every branch as a copy.
+    def _project(self, rows_of: Compaction, layer_index: int, x: Array, cache: KVCache):
+        def work(rows, valid, x):
+            q, k, v = self.model.layer(layer_index).qkv(x[:rows.shape[0]], self.position[rows])
+            return self._padded(q), self._padded(k), self._padded(v)
+
+        q, k, v = rows_of.run(work, x)
+        target = self._cache_target(rows_of.rows, rows_of.kept_in_order)
+        return q, k, cache.write(layer_index, target, self.position[rows_of.rows], k, v)
+
+    def _attend_and_finish(self, rows_of: Compaction, layer_index: int, x, q, cache, kv_len):
+        def work(rows, valid, x, q, cache: KVCache):
+            size = rows.shape[0]
+            finished = self._attend_and_finish_rows(layer_index, rows, valid, x[:size], q[:size],
+                                                    cache, kv_len)
+            return jax.lax.dynamic_update_slice_in_dim(x, finished, 0, axis=0)
+
+        return rows_of.run(work, x, q, cache)
+
+    def first_two(self, rows_of: Compaction, cache: KVCache, kv_len: Int[Array, "s"]):
+        """Layer 0 and layer 1 up to its Q/K/V projections for the processed rows (KV written in
+        both). Returns their hidden states, the cache, and (q0, k0, q1, k1) in compact order."""
+        x = self.model.embed_tokens(self.state.tokens.reshape(self.flat)[rows_of.rows])
+        q0, k0, cache = self._project(rows_of, 0, x, cache)
+        x = self._attend_and_finish(rows_of, 0, x, q0, cache, kv_len)
+        q1, k1, cache = self._project(rows_of, 1, x, cache)
+        return x, cache, (q0, k0, q1, k1)
+
+    def rest(self, rows_of: Compaction, x, q1, cache: KVCache, kv_len: Int[Array, "s"]):
+        """The retained rows finish layer 1 (evicted ones stop here) and run layers >= 2."""
+        x = self._attend_and_finish(rows_of, 1, x, q1, cache, kv_len)
+
+        # Layers >= 2 run the same rows, so one bucket runs them all (KV writes included).
+        def later_layers(rows, valid, carry):
+            x, cache = carry
+            row_position, target = self.position[rows], self._cache_target(rows, valid)
+
+            # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
+            # dynamic-slice fusion (on with compilation.GPU_COMPILER_OPTIONS), which lets the GEMMs
+            # read each layer's weights in place in the stack, takes only offsets computed from
+            # a loop counter (docs/benchmarks.md, "Weight reads").
+            def layer(layer_index, carry):
+                h, cache = carry
+                q, k, v = self.model.layer(layer_index).qkv(h, row_position)
+                cache = cache.write(layer_index, target, row_position, k, v)
+                return self._attend_and_finish_rows(layer_index, rows, valid, h, q, cache,
+                                                    kv_len), cache
+
+            h, cache = jax.lax.fori_loop(2, self.model.config.num_layers, layer,
+                                         (x[:rows.shape[0]], cache),
+                                         unroll=self.settings.unroll_layers)
+            return jax.lax.dynamic_update_slice_in_dim(x, h, 0, axis=0), cache
+
+        return rows_of.run_in_place(later_layers, (x, cache))
+
+    def choose(self, candidates: Bool[Array, "s b"], retained_rows: Compaction,
+               x: Array) -> tuple[Int[Array, "s b"], Float[Array, "s b"]]:
+        """LM head and sampler on the candidate rows (compacted again): each row's token and
+        confidence, in the ``[s, b]`` layout (other rows: zeros)."""
+        candidate_rows = Compaction(candidates.reshape(self.flat), self.settings.retained_ladder)
+        params = self.state.params
+
+        def head(rows, valid, x):
+            slot = self.slot_of_row[rows]
+            sampling = RowSampling(temperature=params.temperature[slot], top_k=params.top_k[slot],
+                                   top_p=params.top_p[slot], seed=params.seed[slot],
+                                   position=self.position[rows],
+                                   draw=self.state.block_steps[slot])
+            token, confidence = _choose_tokens(self.model, self.settings.policies.sampler,
+                                               x[retained_rows.inverse[rows]], sampling)
+            return self._padded(token), self._padded(confidence)
+
+        token, confidence = (candidate_rows.to_flat(a) for a in candidate_rows.run(head, x))
+        return token.reshape(self.slots, -1), confidence.reshape(self.slots, -1)
+
+
 HEAD_CHUNK = 512
 
 
-def _choose_tokens(model: Decoder, sampler: Sampler, x: Array, rows: Int[Array, "n"],
-                   key: Array, row_offset: Int[Array, ""] | int) -> tuple[Int[Array, "n"], Array]:
-    """LM head and sampling for the hidden states ``x`` of flat rows ``rows`` (which name the
-    sampling keys), ``HEAD_CHUNK`` rows at a time: float32 logits of a large vocabulary for
-    every row at once would take gigabytes (and several temporaries)."""
-    n = rows.shape[0]
+def _choose_tokens(model: Decoder, sampler, x: Array,
+                   rows: RowSampling) -> tuple[Int[Array, "n"], Array]:
+    """LM head and sampling for the hidden states ``x`` of ``n`` rows, ``HEAD_CHUNK`` rows at a
+    time: float32 logits of a large vocabulary for every row at once would take gigabytes (and
+    several temporaries)."""
+    n = x.shape[0]
     chunks = -(-n // HEAD_CHUNK)
     pad = chunks * HEAD_CHUNK - n
-    rows_chunks = jnp.pad(rows, (0, pad)).reshape(chunks, -1)
-    x_chunks = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, HEAD_CHUNK, -1)
 
-    def chunk(rows_and_x):
-        rows_chunk, x_chunk = rows_and_x
-        keys = jax.vmap(lambda r: jax.random.fold_in(key, r + row_offset))(rows_chunk)
-        return sampler(model.head(x_chunk), keys)
+    def chunked(a: Array) -> Array:
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(chunks, HEAD_CHUNK,
+                                                                          *a.shape[1:])
 
-    token, confidence = jax.lax.map(chunk, (rows_chunks, x_chunks))
+    def chunk(x_and_rows):
+        x_chunk, rows_chunk = x_and_rows
+        return sampler(model.head(x_chunk), rows_chunk)
+
+    token, confidence = jax.lax.map(chunk, (chunked(x), jax.tree.map(chunked, rows)))
     return token.reshape(-1)[:n], confidence.reshape(-1)[:n]
 
 
-def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"], tokens: Int[Array, "s b"],
-                   settings: DecodeSettings) -> DecodeState:
+def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"],
+                   tokens: Int[Array, "s b"]) -> DecodeState:
     """Record fully unmasked blocks and end the requests that stop in them (SPEC 3, Stop)."""
     s, b = tokens.shape
     m = state.sequence.shape[1]
@@ -410,16 +450,16 @@ def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"], tokens: Int[
     sequence = state.sequence.at[target, position].set(tokens, mode="drop")
 
     generated = position >= state.prompt_len[:, None]
-    stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
-    is_stop = generated & jnp.isin(tokens, stop_ids)
+    is_stop = generated & (tokens[:, :, None] == state.params.stop_ids[:, None, :]).any(axis=-1)
     has_stop = is_stop.any(axis=-1)
     stop_len = state.history + jnp.argmax(is_stop, axis=-1) - state.prompt_len
     block_end_len = state.history + b - state.prompt_len
+    max_new = state.params.max_new
     # The cache always has room for max_new tokens (the engine checks); the last test only
     # keeps a slot from writing past its cache if it is handed too small a one.
-    reached = (block_end_len >= state.max_new) | (state.history + 2 * b > m)
+    reached = (block_end_len >= max_new) | (state.history + 2 * b > m)
     finished = completed & (has_stop | reached)
-    out_len = jnp.minimum(jnp.where(has_stop, stop_len, block_end_len), state.max_new)
+    out_len = jnp.minimum(jnp.where(has_stop, stop_len, block_end_len), max_new)
     return dataclasses.replace(
         state,
         sequence=sequence,

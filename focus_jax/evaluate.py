@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from focus_jax import tasks
-from focus_jax.api import encode_prompt
-from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, cache_length, token_layer_split
+from focus_jax.config import ConfigError, GenerationConfig, check_integer
+from focus_jax.engine import Engine, cache_length, run_to_completion, token_layer_split
 from focus_jax.model import Model
+from focus_jax.prompts import encode_prompt
 
 
 @dataclasses.dataclass
@@ -87,26 +87,32 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
     """Decode every example in every mode (greedy, default thresholds) and score exact match.
 
     Each task runs on its own (one engine per mode, compiled once), so that its wall time and
-    compute are its own.
+    compute are its own. Raises ``ConfigError`` for no examples or a bad setting, before any
+    decoding.
     """
+    if not examples:
+        raise ConfigError("no examples to evaluate: give at least one per task")
+    if not modes:
+        raise ConfigError("no modes to evaluate: give at least one of baseline, delayed, focus")
+    check_integer("max_batch", max_batch, minimum=1)
+    block = model.config.block_size or 8
+    configs = [GenerationConfig(mode=mode, block_size=block, alpha=alpha,
+                                max_new_tokens=max_new_tokens) for mode in modes]
     prompts = [encode_prompt(model, ex.question) for ex in examples]
     by_task: dict[str, list[int]] = {}
     for i, example in enumerate(examples):
         by_task.setdefault(example.task, []).append(i)
-    block = model.config.block_size or 8
     cache_len = cache_length(block, max(len(p) for p in prompts) + max_new_tokens)
     slots = min(max_batch, max(len(v) for v in by_task.values()))
     reports = []
-    for mode in modes:
-        config = GenerationConfig(mode=mode, block_size=block, alpha=alpha,
-                                  max_new_tokens=max_new_tokens)
+    for config in configs:
         engine = Engine(model, config, slots=slots, cache_len=cache_len)
         engine.warmup()
         counts = {}
         for task, indices in by_task.items():
-            ids = [engine.submit(prompts[i]) for i in indices]
+            ids = [engine.add_request(prompts[i]) for i in indices]
             start = time.perf_counter()
-            results = engine.run(progress=progress)
+            results = run_to_completion(engine, progress=progress)
             wall = time.perf_counter() - start
             c = Counts(examples=len(indices), wall_seconds=wall)
             for i, rid in zip(indices, ids, strict=True):
@@ -118,7 +124,7 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
                 c.processed_tokens += result.stats.processed_tokens
                 c.retained_tokens += result.stats.retained_tokens
             counts[task] = c
-        reports.append(ModeReport(mode, config.resolved_threshold, model.config.num_layers,
+        reports.append(ModeReport(config.mode, config.resolved_threshold, model.config.num_layers,
                                   counts))
     return reports
 

@@ -28,10 +28,13 @@ RULES: Mapping[str, str | None] = {
 def parse_mesh(spec: str) -> dict[str, int]:
     """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}`` (missing axes are 1)."""
     sizes = {"data": 1, "model": 1}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    named = set()
+    for part in (p.strip() for p in spec.split(",")):
         name, _, value = part.partition("=")
-        if name not in sizes or not value.isdigit() or int(value) < 1:
+        # An empty part (a stray comma) or a repeated axis is a typo, not a 1x1 mesh.
+        if name not in sizes or name in named or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"bad mesh {spec!r}: expected e.g. data=2,model=4")
+        named.add(name)
         sizes[name] = int(value)
     return sizes
 
@@ -89,11 +92,10 @@ def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
 
 def state_specs(state, kv_heads: str | None = "model"):
     """PartitionSpecs of a decode state: every array's leading slot axis over ``data``, the KV
-    cache ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``kv_heads``, the random
-    key replicated."""
+    cache ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``kv_heads``."""
     specs = jax.tree.map(lambda _: PartitionSpec("data"), state)
     cache = PartitionSpec(None, "data", None, kv_heads, None)
-    return dataclasses.replace(specs, rng=PartitionSpec(), cache=type(state.cache)(cache, cache))
+    return dataclasses.replace(specs, cache=type(state.cache)(cache, cache))
 
 
 def state_sharding(state, mesh: Mesh):

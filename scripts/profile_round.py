@@ -25,7 +25,7 @@ from jax._src.profiler import ProfileData
 import focus_jax
 from focus_jax import bench
 from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine
+from focus_jax.engine import Engine, run_to_completion
 
 METADATA = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -106,14 +106,14 @@ def main() -> None:
                         cache_len=max(lengths) + args.max_new_tokens)
         engine.warmup(prompt_lengths=lengths)
         for prompt in prompts:  # a first, untraced pass
-            engine.submit(prompt)
-        engine.run()
+            engine.add_request(prompt)
+        run_to_completion(engine)
         for prompt in prompts:
-            engine.submit(prompt)
+            engine.add_request(prompt)
         steps_before, start = engine.stats.steps, time.perf_counter()
         trace_dir = str(out / mode)
         with jax.profiler.trace(trace_dir):
-            engine.run()
+            run_to_completion(engine)
         wall = time.perf_counter() - start
         steps = engine.stats.steps - steps_before
         totals, span = device_time_per_op(trace_dir)

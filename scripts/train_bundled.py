@@ -26,14 +26,14 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 from pathlib import Path
 
 from flax import nnx
 
 import focus_jax
 from focus_jax import evaluate, tasks
-from focus_jax.config import ModelConfig
+from focus_jax.checkpoint import replacing
+from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
 from focus_jax.models.params import save_safetensors
 from focus_jax.models.qwen3 import Decoder
@@ -59,17 +59,17 @@ def geometry(tokenizer, block_size: int, **overrides) -> ModelConfig:
 
 
 def export(model: Model, folder: Path, dtype: str = "bfloat16") -> None:
-    """A Hugging Face style folder in ``dtype``: config, safetensors shards, tokenizer."""
-    if folder.exists():
-        shutil.rmtree(folder)
+    """A Hugging Face style folder in ``dtype``: config, safetensors shards, tokenizer (whole or
+    not at all: an old folder there is replaced once the new one is complete)."""
     config = model.config.replace(dtype=dtype)
     graphdef, state = nnx.split(model.module())
     state = nnx.map_state(lambda _, v: v.astype(dtype), state)
-    save_safetensors(nnx.merge(graphdef, state), folder)
-    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    model.tokenizer.save_pretrained(str(folder))
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": model.tokenizer.eos_token_id, "mask_token_id": config.mask_token_id}))
+    with replacing(folder, overwrite=True) as staging:
+        save_safetensors(nnx.merge(graphdef, state), staging)
+        (staging / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        model.tokenizer.save_pretrained(str(staging))
+        (staging / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": model.tokenizer.eos_token_id, "mask_token_id": config.mask_token_id}))
 
 
 def main() -> None:
@@ -105,6 +105,9 @@ def main() -> None:
                              "are never trained on, whatever the seed)")
     parser.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="float32 keeps full precision for a later --init")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an --out whose run had other options (else it "
+                             "resumes the same run, or refuses another)")
     args = parser.parse_args()
 
     task_names = tuple(args.tasks.split(","))
@@ -131,7 +134,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         if args.workers:
             source = stack.enter_context(Prefetch(source, args.workers))
-        trained = train(model, source, train_cfg, args.out / "run", resume=True)
+        try:
+            trained = train(model, source, train_cfg, args.out / "run", overwrite=args.overwrite)
+        except ConfigError as err:  # another run in --out
+            parser.error(str(err))
     export(trained, args.out / "focus-tiny", args.export_dtype)
     if args.eval_per_task:
         reports = evaluate.evaluate(trained, tasks.held_out(args.eval_per_task, tasks=task_names),

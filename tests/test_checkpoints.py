@@ -173,3 +173,132 @@ def test_a_decode_state_that_does_not_fit_the_device_is_a_clear_error(model, mon
 def test_bad_generation_settings_are_rejected_on_construction(field, value, message):
     with pytest.raises(ConfigError, match=message):
         GenerationConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("damage", "culprit"), [
+    (lambda d: (d / "tokenizer.json").write_text("{ not json"), r"tokenizer\.json is not valid JSON"),
+    (lambda d: (d / "tokenizer.json").write_bytes(b"\xff{}"), r"tokenizer\.json is not UTF-8"),
+    (lambda d: (d / "tokenizer_config.json").write_bytes(b"\xff{}"),
+     r"tokenizer_config\.json is not UTF-8"),
+    (lambda d: (d / "config.json").write_bytes(b"\xff{}"), r"config\.json is not UTF-8"),
+    (lambda d: (d / "generation_config.json").write_text("{ bad"),
+     r"generation_config\.json is not valid JSON"),
+    (lambda d: (d / "generation_config.json").write_bytes(b"\xfe"),
+     r"generation_config\.json is not UTF-8"),
+    (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": "x"}'),
+     r"generation_config\.json must be a JSON object whose eos_token_id"),
+    (lambda d: (d / "model.safetensors").write_bytes(b""),
+     r"model\.safetensors is not a safetensors file \(0 bytes\)"),
+    (lambda d: (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"lm_head.weight": "model-2.safetensors"}}'),
+     r"lacks shard\(s\) named in its index: model-2\.safetensors"),
+    (lambda d: (d / "model.safetensors.index.json").write_bytes(b"[]"),
+     r"index\.json is not a safetensors index"),
+    (lambda d: (d / "tokenizer_config.json").write_text(json.dumps(
+        {**json.loads((d / "tokenizer_config.json").read_text()), "merges_file": "merges.txt"})),
+     r"tokenizer_config\.json names merges\.txt, which the folder lacks"),
+])
+def test_a_damaged_file_is_a_load_error_naming_it(hf_folder, damage, culprit):
+    damage(hf_folder)
+    with pytest.raises(ConfigError, match=culprit):
+        focus_jax.load(hf_folder)
+
+
+class Killed(BaseException):
+    """The process dies here (not an Exception: nothing on the way may handle it)."""
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
+            if f.is_file()}
+
+
+def convert_dying_at(boundary: int, monkeypatch, *args, **kwargs) -> bool:
+    """``convert``, killed at its ``boundary``-th file boundary: before a file of the folder
+    being written, or before a rename of the folder. True if it ran to the end."""
+    import os
+
+    seen = [0]
+
+    def crossing(ours: bool) -> None:
+        seen[0] += ours
+        if ours and seen[0] == boundary:
+            raise Killed
+
+    def wrap(write):
+        # The files written into the folder being made (orbax writes params/ on its own).
+        return lambda self, *a, **k: (crossing(".partial-" in self.parent.name)
+                                      or write(self, *a, **k))
+
+    def renaming(src, dst) -> None:
+        # The folder's renames: the old one aside, the new one into place.
+        crossing(".partial-" in Path(src).name or ".replaced-" in Path(dst).name)
+        rename(src, dst)
+
+    rename = os.rename
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_bytes", wrap(Path.write_bytes))
+        patch.setattr(Path, "write_text", wrap(Path.write_text))
+        patch.setattr(os, "rename", renaming)
+        try:
+            focus_jax.convert(*args, **kwargs)
+        except Killed:
+            return False
+    return True
+
+
+def test_convert_killed_at_any_file_boundary_leaves_nothing_the_old_or_the_new_folder(
+        hf_folder, tmp_path, monkeypatch):
+    target = tmp_path / "converted"
+    new = focus_jax.convert(hf_folder, tmp_path / "new", dtype="bfloat16")
+
+    def beside_params(folder: Path) -> dict[str, bytes]:  # orbax names its files at random
+        return {name: data for name, data in snapshot(folder).items()
+                if not name.startswith("params/")}
+
+    assert {"tokenizer.json", "chat_template.jinja", "config.json"} <= set(beside_params(new))
+    boundary = 1
+    while not convert_dying_at(boundary, monkeypatch, hf_folder, target, dtype="float32"):
+        assert not target.exists()  # a first conversion: nothing until it is complete
+        boundary += 1
+    assert boundary > 4  # params, config.json, tokenizer files and the rename were crossed
+    old = snapshot(target)
+    boundary = 1
+    while not convert_dying_at(boundary, monkeypatch, hf_folder, target, dtype="bfloat16",
+                               overwrite=True):
+        assert not target.exists() or snapshot(target) == old
+        boundary += 1
+    assert beside_params(target) == beside_params(new) and snapshot(target) != old
+    np.testing.assert_array_equal(np.asarray(focus_jax.load(target).logits(tokens(), 4)),
+                                  np.asarray(focus_jax.load(new).logits(tokens(), 4)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["converted", "hf", "new"]
+
+
+def test_convert_refuses_a_target_that_would_lose_data(hf_folder, tmp_path, capsys):
+    from focus_jax.cli import main
+
+    def error(*argv: str) -> str:
+        assert main(["convert", *map(str, argv)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        return err
+
+    before = snapshot(hf_folder)
+    assert "must lie outside the source" in error(hf_folder, hf_folder)
+    assert "must lie outside the source" in error(hf_folder, hf_folder / "converted")
+    assert "must lie outside the source" in error(hf_folder, hf_folder.parent, "--overwrite")
+    assert snapshot(hf_folder) == before
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert f"{file} is a file" in error(hf_folder, file)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "config.json").write_text("{}")
+    assert f"{busy} is not empty" in error(hf_folder, busy)
+    (busy / "config.json").unlink()
+    (busy / "notes.txt").write_text("mine")
+    assert "is not a model folder" in error(hf_folder, busy, "--overwrite")
+    assert snapshot(busy) == {"notes.txt": b"mine"}
+    (hf_folder / "tokenizer.json").write_text("{ not json")
+    assert "tokenizer.json is not valid JSON" in error(hf_folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

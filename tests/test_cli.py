@@ -18,6 +18,26 @@ def test_generate_streams_text_and_prints_stats(model_dir, capsys):
     assert code == 0
     assert out.strip()  # the streamed text
     assert "per step: processed" in err and "token-layers per generated token" in err
+    # Where compiled programs are kept between runs, and how many were compiled or read back.
+    from focus_jax.compilation import persistent_cache_folder
+
+    assert f"read from the persistent cache {persistent_cache_folder()}," in err
+    assert "programs compiled" in err
+
+
+@pytest.fixture
+def compile_cache_restored():
+    import jax
+
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
+def test_no_compile_cache_says_the_cache_is_off(model_dir, capsys, compile_cache_restored):
+    code = main(["generate", "--model", str(model_dir), "--prompt", "hello", "--block-size", "4",
+                 "--max-new-tokens", "8", "--threshold", "0.04", "--stats", "--no-compile-cache"])
+    _, err = capsys.readouterr()
+    assert code == 0 and "persistent cache off" in err
 
 
 def test_generate_many_prompts_prints_each(model_dir, capsys):

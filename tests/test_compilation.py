@@ -7,9 +7,9 @@ import jax
 import pytest
 
 from focus_jax import GenerationConfig
-from focus_jax.bench import count_compilations
+from focus_jax.compilation import count_compilations
 from focus_jax.decoding import DecodeState, step
-from focus_jax.engine import Engine
+from focus_jax.engine import Engine, run_to_completion
 from focus_jax.testing import random_prompts, tiny_model
 
 
@@ -20,15 +20,15 @@ def test_long_run_compiles_nothing_after_warmup(model, mode):
     engine = Engine(model, config, slots=4, cache_len=64)
     with count_compilations() as warmup:
         engine.warmup()
-    # One decode program (all bucket branches of both compactions inside it) and one prefill
-    # program per prompt-length bucket.
-    assert 1 <= len(warmup) <= 1 + len(engine_prompt_buckets(engine))
+    # One decode program (all bucket branches of both compactions inside it), the release of
+    # aborted slots, and one prefill program per prompt-length bucket.
+    assert 1 <= warmup.programs <= 2 + len(engine_prompt_buckets(engine))
     with count_compilations() as serving:
         for prompt in random_prompts(14, 128, 1, 40, seed=21):  # more prompts than slots
-            engine.submit(prompt)
-        results = engine.run()
+            engine.add_request(prompt)
+        results = run_to_completion(engine)
     assert len(results) == 14
-    assert serving == []
+    assert serving.programs == 0
     # Every token-step is some request's: per-request totals (commit steps included) add up.
     for field in ("processed_tokens", "retained_tokens"):
         per_request = [getattr(r.stats, field) for r in results.values()]
@@ -88,9 +88,9 @@ def test_bench_counts_no_compilation_after_warmup_and_splits_the_wall_time(model
         # the retained rows.
         assert r.decoded_per_step <= r.sampled_per_step <= r.retained_per_step, r
     # The counter does count: a new shape compiles.
-    with bench.count_compilations() as events:
+    with count_compilations() as events:
         jax.jit(lambda x: x * 3)(jax.numpy.ones(7))
-    assert len(events) >= 1
+    assert events.programs >= 1
 
 
 def test_bench_frees_each_mode_engine_before_the_next(model, monkeypatch):
@@ -136,7 +136,7 @@ def test_decode_round_temporaries_do_not_grow_with_depth():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's GPU dynamic-slice fusion")
 @pytest.mark.parametrize("mode", ["baseline", "focus"])
 def test_gpu_layer_loop_reads_weights_in_place(mode):
-    """On GPUs (engine.GPU_COMPILER_OPTIONS) the layer loop of layers >= 2 copies no layer's
+    """On GPUs (compilation.GPU_COMPILER_OPTIONS) the layer loop of layers >= 2 copies no layer's
     weights out of the stack: each slice at the loop's layer index (a dynamic slice) lives in a
     dynamic-slice fusion, the operand of the GEMM that reads it in place (a concatenation, such
     as XLA's dot merger, now off in those options, makes of projections sharing their input, is
@@ -162,3 +162,74 @@ def test_gpu_layer_loop_reads_weights_in_place(mode):
                 copied.append((computation, line.strip()[:160]))
     assert in_place > 0
     assert not copied, copied
+
+
+def test_second_generate_with_the_persistent_cache_compiles_nothing_new(model, tmp_path):
+    """Two `focus-jax generate` processes with the same cache folder: the first compiles and
+    writes every program, the second (a fresh in-memory cache) reads them all back."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import focus_jax
+
+    model_dir = focus_jax.save(model, tmp_path / "tiny")
+    folder = tmp_path / "xla"
+    command = [sys.executable, "-m", "focus_jax.cli", "generate", "--model", str(model_dir),
+               "--prompt", "hello", "--block-size", "4", "--max-new-tokens", "8",
+               "--bucket-ladder", "0.5,1", "--stats"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "FOCUS_JAX_CACHE_DIR": str(folder)}
+    counts, answers = [], []
+    for _ in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr
+        line = re.search(r"compilation: (\d+) programs compiled, (\d+) read from the "
+                         r"persistent cache (\S+),", done.stderr)
+        assert line and line[3] == str(folder), done.stderr
+        counts.append((int(line[1]), int(line[2])))
+        answers.append(done.stdout)
+    (compiled, read), (compiled_again, read_again) = counts
+    # The prefill and the decode round at least, compiled the first time and read back after.
+    assert compiled >= 2 and read == 0 and any(folder.iterdir())
+    assert compiled_again == 0 and read_again >= 2
+    assert answers[1] == answers[0]
+
+
+def test_program_cache_releases_the_least_recently_used():
+    from focus_jax.compilation import ProgramCache
+
+    made = []
+    cache = ProgramCache(capacity=2)
+    def get(key):
+        return cache.get(key, lambda: made.append(key) or (lambda: key))
+
+    get("a"), get("b"), get("a"), get("c")  # "b" is the least recently used when "c" comes
+    assert len(cache) == 2 and made == ["a", "b", "c"]
+    assert get("a")() == "a" and made == ["a", "b", "c"]  # kept
+    get("b")
+    assert made == ["a", "b", "c", "b"]  # made again: it had been released
+
+
+def test_settings_beyond_the_cap_release_their_compiled_programs(model, monkeypatch):
+    """A long-lived process that meets ever new settings keeps the executables of at most
+    ``capacity`` programs alive (jax.jit alone keeps every setting's)."""
+    import gc
+
+    from focus_jax import compilation, generate
+
+    monkeypatch.setattr(compilation, "PROGRAMS", compilation.ProgramCache(capacity=2))
+    client = jax.devices()[0].client
+
+    def live_after(alphas):
+        for alpha in alphas:
+            generate(model, [20, 21, 22], GenerationConfig(block_size=4, max_new_tokens=4,
+                                                           alpha=alpha, bucket_ladder=(1.0,)))
+        gc.collect()
+        return len(client.live_executables())
+
+    # Each setting has its own decode round; the prefill is shared (its settings do not change).
+    two = live_after([1.01, 1.02])
+    six = live_after([1.03, 1.04, 1.05, 1.06])
+    assert six <= two, (two, six)
+    assert len(compilation.PROGRAMS) == 2

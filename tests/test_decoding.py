@@ -103,22 +103,22 @@ def test_prefill_batches_prompts_of_similar_length_and_keeps_each_result(model):
     """Requests admitted together are prefilled shortest first, each batch padded to the
     bucket (``engine.prompt_buckets``) over its own longest prompt; results still belong to their
     requests."""
-    from focus_jax.engine import Engine
+    from focus_jax.engine import Engine, run_to_completion
 
     config = GenerationConfig(mode="baseline", block_size=4, threshold=THRESHOLD,
                               bucket_ladder=LADDER, max_new_tokens=4)
     engine = Engine(model, config, slots=4, cache_len=64, prefill_batch=2)
     calls = []
-    run_prefill = engine._run_prefill
+    run_prefill = engine.runner._run_prefill
 
-    def record(tokens, lengths, slots, max_new):
+    def record(tokens, lengths, slots, params):
         calls.append((tokens.shape[1], sorted(lengths[slots < engine.slots].tolist())))
-        run_prefill(tokens, lengths, slots, max_new)
+        run_prefill(tokens, lengths, slots, params)
 
-    engine._run_prefill = record
+    engine.runner._run_prefill = record
     prompts = [random_prompts(1, 128, n, n, seed=n)[0] for n in (30, 3, 29, 2)]
-    ids = [engine.submit(p) for p in prompts]
-    results = engine.run()
+    ids = [engine.add_request(p) for p in prompts]
+    results = run_to_completion(engine)
     assert calls == [(4, [2, 3]), (32, [29, 30])]
     via_generate = [r.token_ids for r in generate(model, prompts, config)]
     assert [results[i].token_ids for i in ids] == via_generate

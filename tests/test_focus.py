@@ -125,8 +125,9 @@ def test_evicted_slots_stay_masked_and_are_never_decoded(model):
     config = GenerationConfig(mode="focus", alpha=1.0, **CONFIG)
     engine = Engine(model, config, slots=4, cache_len=64)
     for prompt in random_prompts(4, 128, 2, 20, seed=13):
-        engine.submit(prompt)
-    engine._fill_free_slots()
+        engine.add_request(prompt)
+    for batch in engine.scheduler.batches(engine.scheduler.admit()[0], engine.runner.prefill_batch):
+        engine.runner.prefill(batch)
     run_step = jax.jit(functools.partial(step, model.module(), settings=engine.settings))
     state, evictions = engine.state, 0
     for _ in range(40):

@@ -147,21 +147,59 @@ def params_of(model):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
 
 
-def test_resumed_training_equals_uninterrupted_training(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_and_the_rerun_ends_with_the_uninterrupted_weights(
+        tmp_path, monkeypatch):
+    import json
+    import os
+    import signal
+
     model = tiny_model(tokenizer=True, block_size=8)
     source = TaskSource(model, batch_size=4, length=120)
-    cfg = TrainConfig(steps=4, warmup_steps=1, block_size=8, checkpoint_every=2, log_every=1,
+    cfg = TrainConfig(steps=4, warmup_steps=1, block_size=8, log_every=1, checkpoint_seconds=None,
                       compute_dtype="float32", truncate_prob=0.5, stale_prob=0.5)
     straight = train(model, source, cfg, tmp_path / "a", progress=False)
-    train(model, source, cfg.__class__(**{**cfg.__dict__, "steps": 2}), tmp_path / "b",
-          progress=False)
+    batch = source.batch
+
+    def interrupted_batch(index):
+        if index == 2:  # Ctrl-C while the third step is being prepared
+            os.kill(os.getpid(), signal.SIGINT)
+        return batch(index)
+
+    monkeypatch.setattr(source, "batch", interrupted_batch)
+    with pytest.raises(KeyboardInterrupt, match="interrupted at step 3 of 4"):
+        train(model, source, cfg, tmp_path / "b", progress=False)
+    assert not (tmp_path / "b" / "model").exists()
+    monkeypatch.setattr(source, "batch", batch)
     resumed = train(model, source, cfg, tmp_path / "b", progress=False)
     for a, b in zip(jax.tree.leaves(params_of(straight)), jax.tree.leaves(params_of(resumed)),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log] == [1, 2, 3, 4]
     assert (tmp_path / "a" / "model" / "params").is_dir()
     assert not np.allclose(jax.tree.leaves(params_of(model))[0],
                            jax.tree.leaves(params_of(straight))[0])
+
+
+@pytest.mark.parametrize(("every", "seconds", "saved"), [
+    (2, None, [2, 4, 5]),    # every 2 steps, and the last
+    (None, 1e-9, [1, 2, 3, 4, 5]),  # by time: each step takes longer than a nanosecond
+    (None, 1e9, [5]),        # neither comes due: the end alone
+])
+def test_checkpoints_are_saved_every_n_steps_by_time_and_at_the_end(tmp_path, monkeypatch, every,
+                                                                    seconds, saved):
+    import orbax.checkpoint as ocp
+
+    model = tiny_model(tokenizer=True, block_size=8)
+    source = TaskSource(model, batch_size=2, length=48, task_names=("copy",))
+    steps = []
+    save = ocp.CheckpointManager.save
+    monkeypatch.setattr(ocp.CheckpointManager, "save",
+                        lambda self, step, *a, **k: steps.append(step) or save(self, step, *a, **k))
+    cfg = TrainConfig(steps=5, warmup_steps=1, block_size=8, compute_dtype="float32",
+                      checkpoint_every=every, checkpoint_seconds=seconds)
+    train(model, source, cfg, tmp_path / "run", progress=False)
+    assert steps == saved
 
 
 def test_fine_tuning_on_user_pairs_lowers_the_loss(tmp_path):

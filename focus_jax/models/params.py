@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,14 +61,33 @@ _PER_LAYER: dict[str, tuple[tuple[str, ...], Transform]] = {
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def not_utf8(path: Path, err: UnicodeDecodeError) -> ConfigError:
+    """The error for a checkpoint's text file that does not decode."""
+    return ConfigError(f"{path} is not UTF-8 text (byte {err.start}); re-download or re-convert "
+                       f"the checkpoint")
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path``; a file that is not UTF-8 JSON is a ``ConfigError`` naming it."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno} column "
+                          f"{err.colno}); re-download or re-convert the checkpoint") from None
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's safetensors files: from the index when sharded, else the single file."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise ConfigError(f"{index} is not a valid safetensors index ({err})") from None
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(name, str) for name in weight_map.values()):
+            raise ConfigError(f"{index} is not a safetensors index (it needs a 'weight_map' "
+                              f"object of tensor name -> file name)")
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -93,6 +113,9 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
     The format: an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
     shape and byte range, then the data.
     """
+    if file.stat().st_size < 8:
+        raise ConfigError(f"{file} is not a safetensors file ({file.stat().st_size} bytes); "
+                          f"is the download incomplete?")
     data = np.memmap(file, dtype=np.uint8, mode="r")
     try:
         size = int(data[:8].view("<u8")[0])

@@ -1,14 +1,17 @@
 """Training batches: (prompt, response) pairs tokenized with the chat template, EOS-padded.
 
 A batch is a pure function of its index (``source.batch(i)``), so a resumed run sees exactly the
-batches an uninterrupted run would have seen.
+batches an uninterrupted run would have seen; ``source.identity()`` says what the batches are
+made of, so that a run is resumed only on the same data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import random
+import signal
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -17,13 +20,24 @@ from typing import Any, Protocol
 import numpy as np
 
 from focus_jax import tasks
+from focus_jax.config import ConfigError
 from focus_jax.model import Model
+from focus_jax.prompts import read_lines
 
 
 class BatchSource(Protocol):
     def batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """``tokens int32 [batch, length]`` and ``trainable bool [batch, length]``."""
         ...
+
+    def identity(self) -> dict[str, Any]:
+        """What determines the batches, as JSON values (recorded in a run's ``run.json``)."""
+        ...
+
+
+def _check_shape(batch_size: int, length: int) -> None:
+    if batch_size < 1 or length < 1:
+        raise ConfigError(f"batch_size and length must be >= 1, got {batch_size} and {length}")
 
 
 def encode_pairs(tokenizer: Any, prompts: Sequence[str], responses: Sequence[str],
@@ -64,10 +78,16 @@ class TaskSource:
 
     def __init__(self, model: Model, batch_size: int, length: int, seed: int = 0,
                  task_names: tuple[str, ...] = tasks.SUITE, trim_multiple: int | None = None):
+        _check_shape(batch_size, length)
         # The tokenizer, not the model: the source is sent to ``Prefetch``'s worker processes.
         self.tokenizer = model.tokenizer
         self.batch_size, self.length, self.seed = batch_size, length, seed
         self.task_names, self.trim_multiple = task_names, trim_multiple
+
+    def identity(self) -> dict[str, Any]:
+        return {"data": f"tasks {','.join(self.task_names)}", "batch_size": self.batch_size,
+                "seq_len": self.length, "data_seed": self.seed,
+                "trim_multiple": self.trim_multiple}
 
     def example(self, index: int, task: str | None = None) -> tasks.Example:
         task = task or self.task_names[index % len(self.task_names)]
@@ -102,6 +122,8 @@ _worker_source: BatchSource | None = None
 def _start_worker(source: BatchSource) -> None:
     global _worker_source
     _worker_source = source
+    # Ctrl-C reaches the whole process group: the training process saves and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _worker_batch(index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,6 +145,7 @@ class Prefetch:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.depth = depth or 2 * workers
+        self.source = source
         self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
                                          initializer=_start_worker, initargs=(source,))
         self._pending: dict[int, Future] = {}
@@ -134,6 +157,9 @@ class Prefetch:
             if ahead not in self._pending:
                 self._pending[ahead] = self._pool.submit(_worker_batch, ahead)
         return self._pending.pop(index).result()
+
+    def identity(self) -> dict[str, Any]:
+        return self.source.identity()
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
@@ -153,6 +179,29 @@ def _trailing(ids: list[int], value: int) -> int:
     return count
 
 
+def read_pairs(path: Path) -> tuple[list[tuple[str, str]], str]:
+    """The (prompt, response) pairs of a JSON-lines file, and the SHA-256 of its bytes. Any
+    problem is a ``ConfigError`` naming the file and line."""
+    lines, content = read_lines(path, 'a JSON-lines file of {"prompt": ..., "response": ...} '
+                                      'objects')
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg} at column "
+                              f"{err.colno})") from None
+        if not isinstance(record, dict) or "prompt" not in record or "response" not in record:
+            raise ConfigError(f"{path}:{number}: each line must be a JSON object with "
+                              f"'prompt' and 'response'")
+        if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
+            raise ConfigError(f"{path}:{number}: 'prompt' and 'response' must be strings")
+        pairs.append((record["prompt"], record["response"]))
+    return pairs, hashlib.sha256(content).hexdigest()
+
+
 class PairSource:
     """Batches from user data: a JSON-lines file of ``{"prompt": ..., "response": ...}``.
 
@@ -161,24 +210,21 @@ class PairSource:
 
     def __init__(self, model: Model, path: str | Path, batch_size: int, length: int,
                  seed: int = 0):
+        _check_shape(batch_size, length)
         self.batch_size, self.length, self.seed = batch_size, length, seed
         self._epoch_order: tuple[int, list[int]] = (-1, [])
-        records = []
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            record: Any = json.loads(line)
-            if not isinstance(record, dict) or "prompt" not in record or "response" not in record:
-                raise ValueError(f"{path}:{number}: each line must be a JSON object with "
-                                 f"'prompt' and 'response'")
-            records.append(record)
-        encoded = encode_pairs(model.tokenizer, [r["prompt"] for r in records],
-                               [r["response"] for r in records], length) if records else []
+        records, self.sha256 = read_pairs(Path(path))
+        encoded = encode_pairs(model.tokenizer, [p for p, _ in records],
+                               [r for _, r in records], length) if records else []
         self.pairs = [pair for pair in encoded if pair is not None]
         self.dropped = len(encoded) - len(self.pairs)
         if not self.pairs:
-            raise ValueError(f"{path}: no usable pairs (dropped {self.dropped} longer than "
-                             f"{length} tokens)")
+            raise ConfigError(f"{path}: no usable pairs (dropped {self.dropped} longer than "
+                              f"{length} tokens)")
+
+    def identity(self) -> dict[str, Any]:
+        return {"data": f"a file of SHA-256 {self.sha256[:16]}...", "batch_size": self.batch_size,
+                "seq_len": self.length, "data_seed": self.seed}
 
     def _order(self, epoch: int) -> list[int]:
         if self._epoch_order[0] != epoch:

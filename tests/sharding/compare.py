@@ -17,6 +17,7 @@ import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from focus_jax import Engine, GenerationConfig, generate  # noqa: E402
+from focus_jax.engine import SamplingParams, run_to_completion  # noqa: E402
 from focus_jax.sharding import make_mesh  # noqa: E402
 from focus_jax.testing import random_prompts, tiny_model  # noqa: E402
 
@@ -53,8 +54,9 @@ def compare(mode: str, temperature: float = 0.0,
     single = [r.token_ids for r in generate(model, prompts, config)]
     for data, parallel in meshes:
         engine = Engine(model, config, slots=8, cache_len=32, mesh=make_mesh(data, parallel))
-        ids = [engine.submit(p) for p in prompts]
-        results = engine.run()
+        ids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
+               for i, p in enumerate(prompts)]
+        results = run_to_completion(engine)
         gate = engine.model.params["layers"]["mlp"]["gate_proj"]
         print(json.dumps({
             "mode": mode + ("-sampled" if temperature else ""), "mesh": [data, parallel],

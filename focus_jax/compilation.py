@@ -1,0 +1,218 @@
+"""Compiled programs: the engine's jitted prefill and decode round, kept per setting in a bounded
+cache, and JAX's persistent compilation cache, which keeps compiled programs between processes.
+
+``jax.jit`` with static arguments keeps every combination it has seen, with its executables, for
+the life of the process (37 MiB of RSS per decode-round setting of the bundled model with the
+CPU ladder: docs/startup.md). Here each setting gets its own jitted function in a
+least-recently-used cache of ``PROGRAM_CAPACITY`` entries; an evicted function's executables are
+freed once no engine holds it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+
+import jax
+from flax import nnx
+from jax import monitoring
+
+from focus_jax import decoding
+
+PROGRAM_CAPACITY = 8
+"""Jitted programs (a prefill or a decode round, per setting and state shape) kept per process."""
+
+CACHE_DIR_ENV = "FOCUS_JAX_CACHE_DIR"
+PERSISTENT_CACHE_MAX_BYTES = 4 * 2**30
+"""The persistent cache's size limit: past it, JAX deletes the least recently read entries."""
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+# XLA options for the serving programs on GPUs. Every layer's weights are a slice of the stacked
+# weights; by default XLA copies each slice out (a memcpy of the layer's weights, every layer of
+# every step: 7.5 ms of a 72 ms sdar-8b batch-256 step). Dynamic-slice fusion lets a cuBLAS GEMM
+# read its slice in place, but XLA's Triton GEMM fusions take no part in it, so those are off
+# (docs/benchmarks.md, "Weight reads"). XLA's dot merger would join the q, k and v projections
+# into one GEMM on a weight concatenated afresh every layer of every step; three GEMMs reading
+# in place are faster (-0.8 ms per step there).
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True,
+                        "xla_gpu_enable_triton_gemm": False,
+                        "xla_disable_hlo_passes": "dot-merger"}
+
+
+class ProgramCache:
+    """Values made on first request and kept by key, at most ``capacity`` of them; the least
+    recently requested is dropped when a new one would exceed it. Thread-safe."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[Hashable, Callable] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, make: Callable[[], Callable]) -> Callable:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+            value = self._entries[key] = make()
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+            return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+PROGRAMS = ProgramCache(PROGRAM_CAPACITY)
+
+
+def _jit(fn: Callable, platform: str) -> Callable:
+    if not _cache_checked:
+        use_persistent_cache()
+    options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
+    # The decode state (argument 1) is donated: updated in place.
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=options)
+
+
+def prefill_program(platform: str, graphdef: nnx.GraphDef, settings: decoding.DecodeSettings,
+                    slots: int, cache_len: int) -> Callable:
+    """The jitted prefill for devices of ``platform`` ("cpu", "gpu", "tpu"):
+    ``(params, state, tokens [n, t], length [n], slot [n], slot_params) -> state``
+    (``slot_params``: the requests' :class:`~focus_jax.decoding.SlotParams`, ``n`` rows).
+
+    Kept in :data:`PROGRAMS` by model, block size, mask token, mesh and state shape; it compiles
+    once per padded prompt length.
+    """
+    block, mask = settings.block_size, settings.mask_token_id
+
+    def make() -> Callable:
+        def prefill(params, state, tokens, length, slot, slot_params):
+            return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot,
+                                    slot_params, block, mask)
+
+        return _jit(prefill, platform)
+
+    key = ("prefill", platform, graphdef, block, mask, settings.mesh, slots, cache_len)
+    return PROGRAMS.get(key, make)
+
+
+def decode_round_program(platform: str, graphdef: nnx.GraphDef,
+                         settings: decoding.DecodeSettings, max_steps: int, slots: int,
+                         cache_len: int) -> Callable:
+    """The jitted decode round (``decoding.decode_round``) for devices of ``platform``:
+    ``(params, state, stop_on_finish) -> (state, logs, steps)``.
+
+    Kept in :data:`PROGRAMS` by model, settings, steps per round and state shape: one compiled
+    program per entry.
+    """
+    def make() -> Callable:
+        def decode_round(params, state, stop_on_finish):
+            return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,
+                                         stop_on_finish)
+
+        return _jit(decode_round, platform)
+
+    key = ("round", platform, graphdef, settings, max_steps, slots, cache_len)
+    return PROGRAMS.get(key, make)
+
+
+release_program = jax.jit(decoding.release, donate_argnums=(0,))
+"""``(state, slots [S]) -> state``: the requests in ``slots`` (aborted) take no further steps
+(one small program per state shape)."""
+
+
+# --------------------------------------------------------------------- persistent compilation cache
+_cache_checked = False
+"""Whether :func:`use_persistent_cache` ran in this process (engines call it once)."""
+
+
+def default_cache_folder() -> Path:
+    """Where compiled programs are kept between processes: ``$FOCUS_JAX_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/focus_jax/xla``, else ``~/.cache/focus_jax/xla``."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "focus_jax" / "xla"
+
+
+def use_persistent_cache(folder: Path | None = None) -> Path | None:
+    """Turn JAX's persistent compilation cache on in ``folder`` (default:
+    :func:`default_cache_folder`) for programs compiled from now on, unless the process chose
+    its own folder (``jax_compilation_cache_dir``, e.g. from ``JAX_COMPILATION_CACHE_DIR``) or
+    turned the cache off (``jax_enable_compilation_cache``: ``JAX_ENABLE_COMPILATION_CACHE=0``,
+    ``focus-jax --no-compile-cache``). Returns the folder in use, or None. Engines call it
+    before their first compilation."""
+    global _cache_checked
+    _cache_checked = True
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    folder = folder or default_cache_folder()
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    # JAX keeps only programs that took >= 1 s to compile by default; a 2-core CPU compiles the
+    # small prefill programs in less, and reading any of them back is faster than compiling.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", PERSISTENT_CACHE_MAX_BYTES)
+    return folder
+
+
+def persistent_cache_folder() -> Path | None:
+    """The persistent compilation cache's folder in this process (None: off)."""
+    if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
+        return None
+    return Path(jax.config.jax_compilation_cache_dir)
+
+
+# ----------------------------------------------------------------------------- counting compiles
+@dataclasses.dataclass
+class Compilations:
+    """XLA programs a block of code asked the backend for."""
+
+    compiled: int = 0
+    """Compiled afresh."""
+    loaded: int = 0
+    """Read back from the persistent compilation cache."""
+    seconds: float = 0.0
+    """Wall time of both."""
+
+    @property
+    def programs(self) -> int:
+        return self.compiled + self.loaded
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[Compilations]:
+    """Counts the backend compilations (and persistent-cache reads) while the block runs."""
+    seen = Compilations()
+
+    def on_duration(event: str, duration: float, **kwargs: object) -> None:
+        if event == BACKEND_COMPILE:
+            seen.compiled += 1
+            seen.seconds += duration
+
+    def on_event(event: str, **kwargs: object) -> None:
+        # A cache read is also reported as a backend compile; count it once, as a load.
+        if event == CACHE_HIT:
+            seen.loaded += 1
+            seen.compiled -= 1
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    monitoring.register_event_listener(on_event)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+        monitoring.unregister_event_listener(on_event)

@@ -1,0 +1,275 @@
+"""The engine: a request lifecycle over ``S`` slots, continuous batching at block boundaries.
+
+``add_request`` queues a request, ``abort`` ends one, and each ``step()`` is one round: aborted
+requests release their slots, waiting requests are admitted into free slots and prefilled
+(:class:`~focus_jax.engine.scheduler.Scheduler`), the compiled decode round runs a bounded
+number of steps on the device (:class:`~focus_jax.engine.runner.Runner`: a ``lax.while_loop``,
+no host round trip per step), and the outputs of the blocks it committed come back
+(:class:`~focus_jax.engine.output.OutputProcessor`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from focus_jax import decoding, sharding
+from focus_jax.compaction import bucket_ladder
+from focus_jax.config import ConfigError, GenerationConfig
+from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunStats
+from focus_jax.engine.params import RequestError, SamplingParams
+from focus_jax.engine.runner import Runner
+from focus_jax.engine.scheduler import Request, Scheduler
+from focus_jax.model import Model
+from focus_jax.policies import Policies
+from focus_jax.prompts import token_ids
+
+
+class Engine:
+    """Continuous-batching block-diffusion decoder over ``slots`` concurrent requests.
+
+    >>> engine = Engine(model, GenerationConfig(mode="focus"), slots=8, cache_len=1024)
+    >>> rid = engine.add_request(prompt_ids, SamplingParams(max_new_tokens=128, temperature=0.7))
+    >>> while engine.has_unfinished():
+    ...     for out in engine.step():
+    ...         print(out.request_id, out.new_text, out.finish_reason)
+
+    ``config`` fixes what changes the compiled programs (mode, block size, unmasking rule,
+    bucket ladder, kernels, steps per round) and gives the defaults of every request's
+    :class:`SamplingParams`. One thread drives an engine (:class:`AsyncEngine` runs it on a
+    background thread for servers).
+    """
+
+    def __init__(self, model: Model, config: GenerationConfig, *, slots: int, cache_len: int,
+                 prefill_batch: int | None = None, mesh: Mesh | None = None,
+                 detokenize: bool = True):
+        cfg = model.config
+        block = config.block_size or cfg.block_size
+        if block is None:
+            raise ConfigError("the model's config.json names no block_size: set "
+                              "GenerationConfig(block_size=...) (4, 8, 16, 32 or 64)")
+        if cfg.block_size is not None and block != cfg.block_size:
+            raise ConfigError(f"block_size {block} does not match the model, which was trained "
+                              f"with block size {cfg.block_size}")
+        if cfg.num_layers < 2:
+            raise ConfigError("decoding needs a model with at least 2 layers")
+        if slots < 1:
+            raise ConfigError(f"slots must be >= 1, got {slots}")
+        self.config = config
+        self.block_size = block
+        self.slots = slots
+        self.cache_len = math.ceil(cache_len / block) * block
+        self.stop_token_ids = tuple(config.stop_token_ids if config.stop_token_ids is not None
+                                    else model.stop_token_ids)
+        if mesh is not None:
+            sharding.check_divisible(cfg, mesh, slots)
+        devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+        self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
+                                        slots, devices[0].platform, mesh)
+        ladder = self.settings.processed_ladder
+        self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
+                             prefill_batch=prefill_batch or min(slots, 8),
+                             steps_per_round=config.steps_per_round, mesh=mesh)
+        self.model = self.runner.model
+        self.scheduler = Scheduler(slots, self.cache_len, block)
+        self.output = OutputProcessor(model.tokenizer if detokenize else None, ladder, ladder)
+        self._ids = itertools.count()
+        self._pending: list[RequestOutput] = []
+        """Outputs decided outside a step (aborts of waiting requests), returned by the next."""
+
+    @property
+    def stats(self) -> RunStats:
+        """Statistics of everything this engine ran."""
+        return self.output.stats
+
+    @property
+    def state(self) -> decoding.DecodeState:
+        """The decode state on the device (owned by the runner)."""
+        return self.runner.state
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_unfinished(self) -> bool:
+        """Requests wait or run, or outputs are still to be returned by :meth:`step`."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    # ----------------------------------------------------------------------------------- requests
+    def validate(self, prompt: Sequence[int],
+                 params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """The prompt as a list of token ids and the request's resolved parameters; raises
+        :class:`RequestError` for a request this engine cannot serve (``TypeError`` for ids that
+        are not integers). Reads only the engine's
+        configuration (safe from any thread)."""
+        ids = _token_ids(prompt, self.model.config.vocab_size)
+        resolved = (params or SamplingParams()).resolved(self.config, self.stop_token_ids)
+        self.scheduler.check_fits(len(ids), resolved.max_new_tokens)
+        return ids, resolved
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: int | None = None, arrival_time: float | None = None) -> int:
+        """Queue a tokenized prompt; returns its request id. It is admitted at the next
+        :meth:`step` with a free slot. Raises :class:`RequestError` if it cannot be served.
+        ``arrival_time``: its ``time.perf_counter()`` arrival, if earlier than now (benchmarks)."""
+        ids, resolved = self.validate(prompt, params)
+        rid = next(self._ids) if request_id is None else request_id
+        self.scheduler.add(Request(rid, ids, resolved), arrival_time)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """End a request: a waiting one at once, a running one at the next step (its slot is
+        then free). Its last output has ``finish_reason="abort"``. Unknown ids are ignored."""
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._pending.append(self._final(request, "abort"))
+
+    # ------------------------------------------------------------------------------------ running
+    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
+        """Compile every program a run can need (see :meth:`Runner.warmup`), so that serving never
+        compiles mid-way. Must run before requests are started."""
+        if self.scheduler.running:
+            raise RuntimeError("warmup() must run before requests are started")
+        self.runner.warmup(prompt_lengths)
+
+    def step(self) -> list[RequestOutput]:
+        """One round: release aborted slots, admit and prefill waiting requests, run the decode
+        round, and return the outputs of the blocks it committed and of the requests it ended."""
+        start = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        with self._timed("host_seconds"):
+            aborted = self.scheduler.take_aborted()
+            outputs += [self._final(r, "abort") for r in aborted]
+        if aborted:
+            self.runner.release([r.slot for r in aborted])
+            for request in aborted:
+                self.scheduler.finish(request)
+        with self._timed("host_seconds"):
+            admitted, refused = self.scheduler.admit()
+            outputs += [self._final(r, "error", str(err)) for r, err in refused]
+        if admitted:
+            with self._timed("prefill_seconds"):
+                for batch in self.scheduler.batches(admitted, self.runner.prefill_batch):
+                    self.runner.prefill(batch)
+                jax.block_until_ready(self.runner.state)
+            now = time.perf_counter()
+            for request in admitted:
+                request.stats.admitted_time = now
+        if self.scheduler.running:
+            with self._timed("decode_seconds"):
+                copy = self.runner.decode_round(stop_on_finish=bool(self.scheduler.waiting))
+            with self._timed("host_seconds"):
+                outputs += self._after_round(copy)
+        self.stats.wall_seconds += time.perf_counter() - start
+        return outputs
+
+    def _after_round(self, copy) -> list[RequestOutput]:
+        running = dict(self.scheduler.running)
+        self.output.record_round(copy, running)
+        outputs = []
+        for slot, request in running.items():
+            start = len(request.prompt)
+            try:
+                if copy.live[slot]:
+                    complete = max(0, int(copy.history[slot]) - start)
+                    out = self.output.output(request, copy.sequence[slot, start:start + complete]
+                                             .tolist())
+                else:
+                    ids = copy.sequence[slot, start:start + int(copy.out_len[slot])].tolist()
+                    # A stop token ends the output before max_new_tokens; otherwise the cap did.
+                    reason = "stop" if len(ids) < request.max_new_tokens else "length"
+                    self.scheduler.finish(request)
+                    out = self.output.output(request, ids, reason)
+            except Exception as err:  # one request's handling fails: it ends, the others go on
+                if copy.live[slot]:
+                    self.runner.release([slot])
+                self.scheduler.finish(request)
+                out = self._final(request, "error", f"{type(err).__name__}: {err}")
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _final(self, request: Request, reason: str, error: str | None = None) -> RequestOutput:
+        return self.output.output(request, request.returned, reason, error)
+
+    @contextlib.contextmanager
+    def _timed(self, field: str) -> Iterator[None]:
+        """Adds the block's wall time to ``self.stats.<field>``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - start)
+
+    def lower_round(self) -> jax.stages.Lowered:
+        """The decode round, lowered for this engine's model, settings and state."""
+        return self.runner.lower_round()
+
+
+def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, platform: str,
+                    mesh: Mesh | None = None) -> decoding.DecodeSettings:
+    """The static settings of the decode programs for ``config`` (its block size set) on
+    ``slots`` slots of ``platform`` devices: the policies of its mode, the bucket ladders (the
+    platform's default unless ``config`` names one), the kernels."""
+    block = config.block_size
+    # Each data shard compacts its own slots' rows (decoding.step).
+    data_shards = mesh.shape["data"] if mesh is not None else 1
+    ladder = bucket_ladder(slots // data_shards * block, config.ladder_for(platform))
+    # On a mesh the step calls each kernel through its sharded entry point.
+    policies = Policies.for_mode(config.mode, config.unmasking,
+                                 decoding.tokens_per_step(block, config.denoising_steps),
+                                 config.kernels, mesh)
+    return decoding.DecodeSettings(block_size=block, mask_token_id=mask_token_id,
+                                   policies=policies, processed_ladder=ladder,
+                                   retained_ladder=ladder, kernels=config.kernels, mesh=mesh)
+
+
+def _token_ids(prompt: Sequence[int], vocab: int) -> list[int]:
+    """A prompt's token ids as Python ints (lists, tuples, NumPy integer arrays): ``TypeError``
+    for anything but integers (:func:`focus_jax.prompts.token_ids`), :class:`RequestError` for
+    ids this model cannot take."""
+    if isinstance(prompt, str):
+        raise TypeError("a prompt for the engine is token ids: encode text first "
+                        "(focus_jax.encode_prompt)")
+    ids = token_ids(prompt)
+    if not ids:
+        raise RequestError("empty prompt: give at least one token")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+    return ids
+
+
+def run_to_completion(engine: Engine, *, progress: bool = False,
+                      on_output: Callable[[RequestOutput], None] | None = None) -> dict[int, Result]:
+    """Step ``engine`` until every request it holds has finished; their results by request id.
+
+    ``progress`` shows a bar of generated tokens (a finished request counts its whole
+    ``max_new_tokens``); ``on_output`` sees every output as it comes (streaming).
+    """
+    requests = [*engine.scheduler.waiting, *engine.scheduler.running.values()]
+    bar = tqdm(total=sum(r.max_new_tokens for r in requests), unit="tok", disable=not progress,
+               desc=engine.config.mode)
+    budget = {r.rid: r.max_new_tokens for r in requests}
+    results: dict[int, Result] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if on_output is not None:
+                on_output(out)
+            if out.finished:
+                bar.update(budget.get(out.request_id, 0) - (len(out.token_ids) - len(out.new_token_ids)))
+                results[out.request_id] = out.result()
+            else:
+                bar.update(len(out.new_token_ids))
+    bar.close()
+    return results

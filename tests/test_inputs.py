@@ -1,0 +1,202 @@
+"""Bad inputs fail early with a message naming the culprit: exit code 2 and one line on the command
+line; ConfigError, RequestError or TypeError in the API. Good inputs in other types (NumPy token
+ids) are taken."""
+
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import focus_jax
+from focus_jax import GenerationConfig, bench, distributed, evaluate, tasks
+from focus_jax.cli import main
+from focus_jax.config import ConfigError
+from focus_jax.engine import Engine, RequestError
+
+# Small and shared by the decoding tests below, so that they compile once.
+SMALL = GenerationConfig(block_size=4, max_new_tokens=4, bucket_ladder=(0.5, 1.0))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, model):
+    return focus_jax.save(model, tmp_path_factory.mktemp("inputs") / "tiny")
+
+
+def run_cli(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *needles):
+    lines = [line for line in err.splitlines() if line.startswith("focus-jax: error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------ settings (API)
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", math.nan), ("top_p", math.nan), ("alpha", math.inf), ("threshold", "0.5"),
+    ("max_new_tokens", 2.5), ("max_new_tokens", True), ("block_size", 32.0), ("top_k", 1.5),
+    ("seed", 0.5), ("max_batch", 0), ("denoising_steps", 0.5), ("stop_token_ids", (1.5,)),
+    ("stop_token_ids", "ab"), ("bucket_ladder", (0.5, math.nan, 1.0)),
+])
+def test_settings_that_would_be_truncated_or_are_nan_are_refused_by_name(field, value):
+    with pytest.raises(ConfigError, match=f"^{field} must be"):
+        GenerationConfig(**{field: value})
+
+
+def test_settings_in_numpy_types_are_taken_as_python_numbers():
+    config = GenerationConfig(max_new_tokens=np.int64(8), temperature=np.float32(0.5),
+                              stop_token_ids=[np.int64(3)], bucket_ladder=[0.5, 1])
+    assert type(config.max_new_tokens) is int and config.max_new_tokens == 8
+    assert type(config.temperature) is float and config.temperature == 0.5
+    assert config.stop_token_ids == (3,) and config.bucket_ladder == (0.5, 1.0)
+    hash(config)  # lists became tuples: the config stays hashable
+
+
+def test_the_cpu_takes_its_own_default_ladder_unless_one_is_given():
+    from focus_jax.config import CPU_LADDER, DEFAULT_LADDER
+
+    assert GenerationConfig().ladder_for("cpu") == CPU_LADDER
+    assert GenerationConfig().ladder_for("gpu") == DEFAULT_LADDER
+    assert GenerationConfig(bucket_ladder=(1.0,)).ladder_for("cpu") == (1.0,)
+
+
+# -------------------------------------------------------------------------------- prompts (API)
+@pytest.mark.parametrize(("prompts", "message"), [
+    (b"2+2=", "prompt is bytes"),
+    ({"role": "user", "content": "hi"}, "prompt has type dict"),
+    ([5.0, 6.0], r"prompt: token 0 is 5\.0 \(float\)"),
+    ([[5, 6], [7, 8.5]], r"prompt 1: token 1 is 8\.5"),
+    ([5, True], r"token 1 is True \(bool\)"),
+    (np.array([5.0, 6.0]), "dtype float64"),
+    (["hi", b"there"], "prompt 1 is bytes"),
+    (7, "prompts must be text, token ids or a list of them, got int"),
+])
+def test_prompts_that_are_neither_text_nor_token_ids_are_a_type_error(model, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        focus_jax.generate(model, prompts, SMALL)
+
+
+def test_no_prompts_and_a_wrong_config_are_refused(model):
+    with pytest.raises(RequestError, match="no prompts"):
+        focus_jax.generate(model, [], SMALL)
+    with pytest.raises(TypeError, match="config must be a GenerationConfig, got dict"):
+        focus_jax.generate(model, [5, 6], {"max_new_tokens": 4})
+
+
+def test_numpy_token_ids_are_taken_like_lists(model):
+    ids = [20, 21, 22, 23, 24]
+    [expected] = focus_jax.generate(model, ids, SMALL)
+    for prompt in (np.array(ids), np.array(ids, np.int32), [np.int64(t) for t in ids]):
+        [result] = focus_jax.generate(model, prompt, SMALL)
+        assert result.token_ids == expected.token_ids
+    # A 2-D array is a list of prompts, one per row.
+    rows = focus_jax.generate(model, np.array([ids, ids[::-1]]), SMALL)
+    assert len(rows) == 2 and rows[0].token_ids == expected.token_ids
+
+
+def test_engine_add_request_refuses_float_token_ids(model):
+    engine = Engine(model, SMALL, slots=1, cache_len=16)
+    with pytest.raises(TypeError, match=r"token 1 is 2\.7"):
+        engine.add_request([1, 2.7])
+
+
+# ----------------------------------------------------------------------- evaluation and bench
+def test_evaluate_and_bench_refuse_empty_work_by_name(model):
+    examples = tasks.held_out(1, tasks=("copy",))
+    with pytest.raises(ConfigError, match="no examples"):
+        evaluate.evaluate(model, [])
+    with pytest.raises(ConfigError, match="no modes"):
+        evaluate.evaluate(model, examples, modes=())
+    with pytest.raises(ConfigError, match="max_batch must be an integer >= 1, got 0"):
+        evaluate.evaluate(model, examples, max_batch=0)
+    with pytest.raises(ConfigError, match="batch must be an integer >= 1, got 0"):
+        bench.run(model, ["focus"], batch=0, requests=1, max_new_tokens=4, block_size=4)
+    with pytest.raises(ConfigError, match="mode 'fast'"):
+        bench.run(model, ["fast"], batch=1, requests=1, max_new_tokens=4, block_size=4)
+
+
+# --------------------------------------------------------------------------- the command line
+def test_prompts_file_that_is_a_folder_or_not_utf8_is_named(tmp_path, capsys):
+    code, _, err = run_cli(["generate", "--prompts-file", str(tmp_path)], capsys)
+    one_line_error(code, err, str(tmp_path), "is a folder")
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"first prompt\nsecond \xff prompt\n")
+    code, _, err = run_cli(["generate", "--prompts-file", str(bad)], capsys)
+    one_line_error(code, err, f"{bad}:2: not UTF-8")
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["generate", "--prompt", "x", "--temperature", "nan"], ["temperature", "nan"]),
+    (["generate", "--prompt", "x", "--mesh", ","], ["bad mesh ','"]),
+    (["generate", "--prompt", "x", "--mesh", "data=2,data=2"], ["bad mesh"]),
+    (["generate", "--prompt", "x", "--max-batch", "0"], ["max_batch", ">= 1"]),
+    (["generate", "--prompt", "x", "--bucket-ladder", "0.5,half"], ["--bucket-ladder"]),
+    (["generate", "--prompt", "x", "--num-processes", "2"], ["--coordinator"]),
+    (["generate", "--prompt", "x", "--coordinator", "nohost", "--num-processes", "2",
+      "--process-id", "0"], ["--coordinator 'nohost'", "HOST:PORT"]),
+    (["generate", "--prompt", "x", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+      "--process-id", "2"], ["--process-id", "0..1"]),
+    (["generate", "--prompt", "x", "--distributed", "--join-timeout", "nan"], ["--join-timeout"]),
+    (["eval", "--per-task", "0"], ["--per-task", "0"]),
+    (["eval", "--modes", "baseline,fast"], ["--modes", "fast"]),
+    (["bench", "--batches", "0"], ["--batches '0'"]),
+    (["bench", "--batches", "8,many"], ["--batches '8,many'"]),
+    (["bench", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["demo", "--max-new-tokens", "0"], ["max_new_tokens"]),
+])
+def test_bad_options_are_one_line_errors_before_any_model_loads(argv, needles, capsys,
+                                                                 monkeypatch):
+    from focus_jax import cli
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "load_model", no_loading)
+    monkeypatch.setattr(bench, "measured_bf16_peak", no_loading)
+    monkeypatch.setattr(bench, "random_model", no_loading)
+    code, _, err = run_cli(argv, capsys)
+    one_line_error(code, err, *needles)
+
+
+def test_bench_prints_a_small_peak_in_significant_digits(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)  # a CPU's: 0.042 TFLOP/s
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])
+    code, out, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1"], capsys)
+    assert code == 0 and "measured bf16 peak 0.042 TFLOP/s" in out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_peer_that_never_comes_is_waited_for_a_bounded_time_with_a_message():
+    """Process 0 of 2 alone: it says what it waits for, and ends with exit code 2 at the
+    timeout (JAX's own timeout would abort the process). A subprocess: the exit ends it."""
+    address = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "focus_jax.cli", "generate", "--prompt", "x",
+         "--coordinator", address, "--num-processes", "2", "--process-id", "0",
+         "--join-timeout", "2"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2, done.stderr
+    assert f"waiting up to 2 s for the other 1 process(es) to join at {address}" in done.stderr
+    assert f"focus-jax: error: not all 2 processes joined at {address} within 2 s" in done.stderr
+
+
+def test_a_peer_without_its_coordinator_says_so_after_the_timeout(capsys):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ConfigError, match=f"no coordinator answered at {address}"):
+        distributed.initialize(address, 2, 1, timeout_seconds=1)
+    assert "process 1 of 2: waiting up to 1 s" in capsys.readouterr().err

@@ -1,0 +1,258 @@
+"""The request lifecycle: add_request / abort / step, per-request parameters, AsyncEngine."""
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from focus_jax import GenerationConfig
+from focus_jax.compilation import count_compilations
+from focus_jax.engine import AsyncEngine, Engine, QueueFull, RequestError, SamplingParams, run_to_completion
+from focus_jax.testing import random_prompts
+
+THRESHOLD = 0.04
+CONFIG = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, alpha=1.0,
+                          max_new_tokens=12, stop_token_ids=(), bucket_ladder=(0.25, 1.0),
+                          steps_per_round=4)
+
+# Requests that differ in every per-request parameter.
+MIXED = [
+    SamplingParams(),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=3),
+    SamplingParams(threshold=0.2, alpha=2.5, max_new_tokens=5),
+    SamplingParams(temperature=0.7, top_k=5, seed=11, max_new_tokens=9),
+    SamplingParams(stop_token_ids=(7, 9, 11)),
+    SamplingParams(temperature=1.3, seed=5, threshold=0.5),
+]
+
+
+def alone(model, prompt, params, slots=1):
+    engine = Engine(model, CONFIG, slots=slots, cache_len=64)
+    rid = engine.add_request(prompt, params)
+    return run_to_completion(engine)[rid]
+
+
+def test_mixed_parameters_compile_nothing_and_match_each_request_alone(model):
+    prompts = random_prompts(len(MIXED), 128, 2, 14, seed=41)
+    engine = Engine(model, CONFIG, slots=4, cache_len=64)
+    engine.warmup()
+    with count_compilations() as serving:
+        rids = [engine.add_request(p, q) for p, q in zip(prompts, MIXED, strict=True)]
+        together = run_to_completion(engine)
+    assert serving.programs == 0
+    outputs = [together[rid] for rid in rids]
+    for prompt, params, result in zip(prompts, MIXED, outputs, strict=True):
+        assert result.token_ids == alone(model, prompt, params).token_ids
+    # The parameters took effect: the capped requests stopped at their cap, sampling changed
+    # the tokens, and a stop id ends its output before the stop token.
+    assert len(outputs[2].token_ids) == 5 and len(outputs[3].token_ids) <= 9
+    greedy = alone(model, prompts[1], SamplingParams())
+    assert outputs[1].token_ids != greedy.token_ids
+    assert not {7, 9, 11} & set(outputs[4].token_ids)
+
+
+def test_a_sampled_request_gives_the_same_tokens_in_any_slot_and_batch(model):
+    prompt = random_prompts(1, 128, 6, 6, seed=42)[0]
+    params = SamplingParams(temperature=1.0, seed=7)
+    first = alone(model, prompt, params).token_ids
+    engine = Engine(model, CONFIG, slots=4, cache_len=64)
+    others = random_prompts(3, 128, 2, 14, seed=43)
+    ids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(others)]
+    rid = engine.add_request(prompt, params)  # the last slot, beside three sampled neighbours
+    results = run_to_completion(engine)
+    assert results[rid].token_ids == first
+    assert alone(model, prompt, SamplingParams(temperature=1.0, seed=8)).token_ids != first
+    assert len({tuple(results[i].token_ids) for i in ids}) == 3
+
+
+def test_abort_frees_the_slot_for_the_next_waiting_request(model):
+    prompts = random_prompts(3, 128, 2, 10, seed=44)
+    engine = Engine(model, CONFIG.replace(max_new_tokens=40), slots=2, cache_len=64)
+    first, second, waiting = (engine.add_request(p) for p in prompts)
+    outputs = engine.step()  # first and second run; the third waits
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    slot = next(s for s, r in engine.scheduler.running.items() if r.rid == first)
+    engine.abort(first)
+    outputs = engine.step()
+    ended = [o for o in outputs if o.request_id == first]
+    assert len(ended) == 1 and ended[0].finished and ended[0].finish_reason == "abort"
+    assert engine.scheduler.running[slot].rid == waiting  # the freed slot took the waiting one
+    results = run_to_completion(engine)
+    assert set(results) == {second, waiting}
+    assert results[waiting].token_ids == alone(model, prompts[2], SamplingParams(max_new_tokens=40),
+                                               slots=2).token_ids
+
+
+def test_aborting_a_waiting_request_ends_it_at_the_next_step(model):
+    engine = Engine(model, CONFIG, slots=1, cache_len=64)
+    running, waiting = (engine.add_request(p) for p in random_prompts(2, 128, 2, 8, seed=45))
+    engine.abort(waiting)
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [(waiting, "abort")]
+    assert set(run_to_completion(engine)) == {running}
+
+
+def test_a_request_that_no_longer_fits_when_admitted_ends_with_an_error(model):
+    engine = Engine(model, CONFIG, slots=2, cache_len=64)
+    prompts = random_prompts(3, 128, 4, 12, seed=46)
+    good = [engine.add_request(p) for p in prompts[:2]]
+    bad = engine.add_request(prompts[2], SamplingParams(max_new_tokens=40))
+    engine.scheduler.cache_len = 32  # as if the cache shrank while it waited
+    results = run_to_completion(engine)
+    assert results[bad].finish_reason == "error" and "cache" in results[bad].error
+    assert all(results[r].finish_reason in ("stop", "length") for r in good)
+
+
+def test_a_failing_request_ends_with_an_error_and_the_others_finish(model):
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            if 3 in ids:
+                raise ValueError("cannot decode token 3")
+            return " ".join(map(str, ids))
+
+    engine = Engine(model, CONFIG.replace(max_new_tokens=16), slots=4, cache_len=64)
+    engine.output.tokenizer = Tokenizer()
+    rids = [engine.add_request(p) for p in random_prompts(4, 128, 2, 10, seed=47)]
+    results = run_to_completion(engine)
+    errors = [r for r in rids if results[r].finish_reason == "error"]
+    assert errors, "some output should contain token 3 (pick another seed)"
+    assert all("token 3" in results[r].error for r in errors)
+    assert all(results[r].finish_reason in ("stop", "length") for r in rids if r not in errors)
+
+
+def test_bad_requests_are_refused_with_a_message(model):
+    engine = Engine(model, CONFIG, slots=1, cache_len=32)
+    with pytest.raises(RequestError, match="cache"):
+        engine.add_request([5] * 10, SamplingParams(max_new_tokens=30))
+    with pytest.raises(TypeError, match="integers"):
+        engine.add_request([1.5, 2])
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(RequestError, match="stop token ids"):
+        SamplingParams(stop_token_ids=tuple(range(9)))
+
+
+# ------------------------------------------------------------------------------- AsyncEngine
+@pytest.fixture(scope="module")
+def bundled():
+    from focus_jax.cli import load_model
+
+    return load_model(None)
+
+
+def bundled_engine(model, slots=8, **changes):
+    config = GenerationConfig(mode="focus", max_new_tokens=32, bucket_ladder=(0.25, 1.0),
+                              steps_per_round=8).replace(**changes)
+    return Engine(model, config, slots=slots, cache_len=128)
+
+
+def test_async_engine_serves_32_concurrent_consumers_each_its_own_output(bundled):
+    from focus_jax.api import encode_prompt
+
+    questions = [f"Add: {100 + 7 * i}+{200 + 3 * i}" for i in range(32)]
+    prompts = [encode_prompt(bundled, q) for q in questions]
+    expected_engine = bundled_engine(bundled)
+    rids = [expected_engine.add_request(p) for p in prompts]
+    expected = run_to_completion(expected_engine)
+
+    async def consume(engine, prompt):
+        outputs = [out async for out in engine.generate(prompt)]
+        assert all(not o.finished for o in outputs[:-1]) and outputs[-1].finished
+        ids = [t for o in outputs for t in o.new_token_ids]
+        assert ids == outputs[-1].token_ids
+        return outputs[-1]
+
+    async def main():
+        engine = AsyncEngine(bundled_engine(bundled))
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(consume(engine, p) for p in prompts)), timeout=300)
+        finally:
+            await engine.shutdown(grace_seconds=5)
+
+    finals = asyncio.run(main())
+    for rid, final in zip(rids, finals, strict=True):
+        assert final.token_ids == expected[rid].token_ids
+        assert final.text == expected[rid].text
+
+
+def test_a_consumer_that_stops_early_frees_its_slot_and_disturbs_no_other(bundled):
+    from focus_jax.api import encode_prompt
+
+    prompts = [encode_prompt(bundled, q) for q in ("Reverse: a b c d", "Add: 12+34")]
+    reference = bundled_engine(bundled, slots=2)
+    rid = reference.add_request(prompts[1])
+    expected = run_to_completion(reference)[rid]
+
+    async def main():
+        engine = AsyncEngine(bundled_engine(bundled, slots=2, max_new_tokens=96))
+        try:
+            async def stop_after_first_block():
+                async with contextlib.aclosing(engine.generate(prompts[0])) as stream:
+                    async for _ in stream:
+                        break
+
+            async def full():
+                return [o async for o in engine.generate(prompts[1],
+                                                         SamplingParams(max_new_tokens=32))][-1]
+
+            _, other = await asyncio.wait_for(asyncio.gather(stop_after_first_block(), full()),
+                                              timeout=120)
+            deadline = time.monotonic() + 30
+            while engine.num_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return other, engine.num_running
+        finally:
+            await engine.shutdown(grace_seconds=5)
+
+    other, running = asyncio.run(main())
+    assert other.token_ids == expected.token_ids
+    assert running == 0
+
+
+def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled):
+    from focus_jax.api import encode_prompt
+
+    prompt = encode_prompt(bundled, "Reverse: p a l l a s")
+
+    async def main():
+        engine = AsyncEngine(bundled_engine(bundled, slots=2, max_new_tokens=96), max_queue=2)
+        finals = []
+
+        async def consume():
+            async for out in engine.generate(prompt):
+                if out.finished:
+                    finals.append(out.finish_reason)
+
+        async def until(condition):
+            deadline = time.monotonic() + 60
+            while not condition() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+
+        tasks = [asyncio.create_task(consume()) for _ in range(2)]
+        await until(lambda: engine.num_running == 2)
+        tasks += [asyncio.create_task(consume()) for _ in range(2)]  # these two wait
+        await until(lambda: engine.num_waiting == 2)
+        with pytest.raises(QueueFull):
+            async for _ in engine.generate(prompt):
+                pass
+        start = time.monotonic()
+        await engine.shutdown(grace_seconds=0.0)
+        took = time.monotonic() - start
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+        return finals, took, engine.running
+
+    finals, took, alive = asyncio.run(main())
+    assert len(finals) == 4 and set(finals) <= {"abort", "stop", "length"} and "abort" in finals
+    assert took < 30 and not alive
+
+
+def test_open_loop_bench_serves_every_request_and_orders_its_latencies(model):
+    from focus_jax import bench
+
+    result = bench.run_open_loop(model, "focus", batch=2, requests=5, max_new_tokens=8,
+                                 request_rate=50.0, block_size=4, bucket_ladder=(0.5, 1.0))
+    assert result.requests == 5 and result.generated_tokens == 5 * 8 and result.compilations == 0
+    for q in ("p50", "p90", "p99"):
+        assert 0 <= result.admission_wait[q] <= result.first_block[q] <= result.latency[q]
