@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -93,6 +94,39 @@ def parse_topology(name: str) -> Topology:
 
 def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
+
+
+def skip_absent_tpu() -> None:
+    """Keep JAX from starting its TPU backend in this process when the host has no TPU chip.
+
+    With libtpu installed (compile-check needs it), JAX tries its TPU backend first whenever it
+    picks the backends itself; on a host without TPU chips JAX drops it quietly, but libtpu
+    first prints pages of initialisation errors to stderr. When the process names no platforms
+    (``JAX_PLATFORMS``, ``jax_platforms``), the backends are not started yet and the PCI bus
+    shows no TPU chip, the TPU backend's factory is replaced by one that refuses, as quietly as
+    JAX drops a failed TPU backend. "tpu" stays a known platform: Pallas TPU lowerings register
+    and compile-check's topologies (which load libtpu on their own) work as before.
+    ``JAX_PLATFORMS=tpu`` starts the TPU backend whatever the PCI bus says. This reads JAX
+    internals; if they change, it does nothing (libtpu prints its errors again).
+    """
+    if os.environ.get("JAX_PLATFORMS") or not libtpu_installed():
+        return
+    try:
+        from jax._src import hardware_utils, xla_bridge
+
+        if (jax.config.jax_platforms or xla_bridge.backends_are_initialized()
+                or "tpu" not in xla_bridge._backend_factories
+                or hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0):
+            return
+        priority = xla_bridge._backend_factories["tpu"].priority
+        xla_bridge.register_backend_factory("tpu", _no_tpu_chip, priority=priority,
+                                            fail_quietly=True)
+    except (ImportError, AttributeError, TypeError, OSError, RuntimeError):
+        return
+
+
+def _no_tpu_chip() -> None:
+    raise RuntimeError("this host has no TPU chip (set JAX_PLATFORMS=tpu to start libtpu anyway)")
 
 
 def require_libtpu() -> None:
