@@ -27,7 +27,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from focus_jax import sharding
+from focus_jax import compilation, sharding
 from focus_jax.config import ConfigError
 
 GIB = 2**30
@@ -220,7 +220,8 @@ class CompileResult:
 
 def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> CompileResult:
     """Lower ``jitted`` for ``args`` (static values, and abstract inputs on ``mesh``'s devices)
-    and compile it; errors become a one-line message, never an exception.
+    and compile it; errors become a one-line message, never an exception. Nothing is written
+    to the persistent compilation cache (:func:`focus_jax.compilation.not_persisted`).
 
     Lowering runs under ``mesh``'s abstract mesh: some Pallas TPU lowering rules ask the
     current mesh for the chip generation (the default device here is a CPU).
@@ -228,7 +229,7 @@ def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> Compi
     start, cpu_start = time.perf_counter(), time.process_time()
     memory, error = None, None
     try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compilation.not_persisted():
             compiled = jitted.lower(*args).compile()
         memory = ChipMemory.of(compiled)
     except Exception as err:  # any compiler error is a result to report

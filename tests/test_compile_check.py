@@ -5,6 +5,10 @@ on two cores, where a 16-bucket ladder of a real geometry takes minutes.
 """
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +157,60 @@ def test_one_chip_is_named_as_a_1x1_topology_of_its_generation():
     assert tpu.parse_topology("v5p:2x2x2").chips == 8
     with pytest.raises(ConfigError, match="expected GENERATION:SHAPE"):
         tpu.parse_topology("v5litepod-8")
+
+
+# With the persistent cache on in a fresh folder: a CPU program, compile-check's programs (a
+# prefill and a decode round), then another CPU program; prints the programs kept there.
+CHECK_WITH_THE_CACHE_ON = """
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from focus_jax import GenerationConfig, compilation, compile_check
+from focus_jax.testing import tiny_config
+
+folder = Path(sys.argv[1])
+compilation.use_persistent_cache(folder)
+jax.jit(lambda x: x + 1)(jnp.ones(3))
+target = compile_check.make_target(tiny_config(dtype="bfloat16", block_size=8), "v5e:1x1",
+                                   slots=4, positions=32, prompt_lengths=(8,),
+                                   generation=GenerationConfig(bucket_ladder=(1.0,)))
+assert all(report.fits for report in compile_check.check(target))
+jax.jit(lambda x: x * 3)(jnp.ones(3))
+print(" ".join(p.name.split("-")[0] for p in folder.iterdir() if p.name.endswith("-cache")))
+"""
+
+
+@needs_libtpu
+def test_tpu_programs_are_not_written_to_the_persistent_cache(tmp_path):
+    """A program compiled for a TPU topology cannot be loaded back (the compile-only client has
+    no runtime: "PjRtCompiler must be constructed with a Client"), so none is written; the
+    process's other programs still are."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", CHECK_WITH_THE_CACHE_ON, str(tmp_path / "xla")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    kept = done.stdout.split()
+    assert kept.count("jit__lambda") == 2, kept
+    assert "jit_prefill" not in kept and "jit_decode_round" not in kept, kept
+
+
+@needs_libtpu
+def test_the_compile_check_command_leaves_the_persistent_cache_alone(tiny_folder, tmp_path):
+    """Run as a user runs it (JAX_PLATFORMS unset), twice with the same cache folder: nothing
+    is written there, so the second run warns of no entry it cannot load."""
+    folder = tmp_path / "xla"
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
+           "FOCUS_JAX_CACHE_DIR": str(folder)}
+    command = [sys.executable, "-m", "focus_jax.cli",
+               *compile_check_cli(tiny_folder, "--topology", "v5e:1x1", "--prompt-buckets", "8")]
+    for _ in range(2):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "all 2 programs compiled and fit" in done.stdout
+        assert "PjRtCompiler" not in done.stderr and "persistent compilation cache" not in \
+            done.stderr, done.stderr
+    assert not folder.exists() or not any(folder.iterdir())
