@@ -11,7 +11,6 @@ Mosaic kernel as 0 FLOPs and a loop body once, so it cannot be used).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -19,11 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from focus_jax import compilation, decoding, engine, sharding, tpu
+from focus_jax import compilation, decoding, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
+from focus_jax.engine.runner import default_prefill_batch, prompt_buckets, slot_positions
 from focus_jax.models.params import abstract_decoder
 from pallas_kernels.dispatch import PLATFORM_DEFAULT
 
@@ -86,8 +86,8 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
         raise ConfigError(f"need at least one slot and one block of cache positions, got "
                           f"batch {slots} and max-len {positions}")
     sharding.check_divisible(cfg, sizes, slots)
-    positions = math.ceil(positions / block) * block  # as the engine rounds its cache
-    buckets = engine.prompt_buckets(block, positions)
+    positions = slot_positions(block, positions)
+    buckets = prompt_buckets(block, positions)
     if prompt_lengths is not None:
         too_long = [n for n in prompt_lengths if not 1 <= n <= positions]
         if too_long:
@@ -103,7 +103,7 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                           f"{TPU_KERNELS}")
     return Target(cfg, slice_, sizes["data"], sizes["model"], slots, positions,
                   generation.replace(block_size=block), buckets,
-                  prefill_batch or min(slots, 8),  # the engine's default
+                  prefill_batch or default_prefill_batch(slots),
                   round(hbm_gib * tpu.GIB) if hbm_gib else slice_.chip.hbm_bytes)
 
 

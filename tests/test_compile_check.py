@@ -151,6 +151,26 @@ def test_model_flops_of_a_step_match_what_xla_counts():
     assert ours == pytest.approx(counted.cost_analysis()["flops"], rel=0.02)
 
 
+@pytest.mark.parametrize("slots, positions, prefill_batch", [(12, 30, None), (3, 64, None),
+                                                            (12, 30, 5)])
+def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, positions,
+                                                                    prefill_batch):
+    from focus_jax import Engine
+    from focus_jax.engine import prompt_buckets
+    from focus_jax.testing import tiny_model
+
+    model = tiny_model(block_size=8)
+    config = GenerationConfig()
+    engine = Engine(model, config, slots=slots, cache_len=positions,
+                    prefill_batch=prefill_batch)
+    target = compile_check.make_target(model.config, "v5e:1x1", slots=slots,
+                                       positions=positions, generation=config,
+                                       prefill_batch=prefill_batch)
+    assert target.positions == engine.cache_len
+    assert target.prefill_batch == engine.runner.prefill_batch
+    assert target.prompt_buckets == prompt_buckets(engine.block_size, engine.cache_len)
+
+
 def test_one_chip_is_named_as_a_1x1_topology_of_its_generation():
     one = tpu.parse_topology("v5e:1x1")
     assert one.chips == 1 and one.chip.host_topology == "v5e:2x2"

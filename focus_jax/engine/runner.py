@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -18,6 +19,17 @@ from focus_jax.engine.output import RoundCopy
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.scheduler import Request
 from focus_jax.model import Model
+
+
+def slot_positions(block_size: int, cache_len: int) -> int:
+    """Cache positions per slot the engine allocates when asked for ``cache_len``: whole
+    blocks."""
+    return math.ceil(cache_len / block_size) * block_size
+
+
+def default_prefill_batch(slots: int) -> int:
+    """Prompts per prefill call when the engine is not given its own number: ``min(slots, 8)``."""
+    return min(slots, 8)
 
 
 def cache_length(block_size: int, positions: int) -> int:
