@@ -116,6 +116,17 @@ def bytes_per_device(tree, shardings) -> int:
                for a, where in zip(arrays, places, strict=True))
 
 
+def bytes_on(tree, device: jax.Device) -> int:
+    """Bytes of ``tree``'s arrays that ``device`` holds now (NumPy arrays and shapes: none)."""
+    def held(x) -> int:
+        where = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or device not in where.device_set:
+            return 0
+        return math.prod(where.shard_shape(x.shape)) * x.dtype.itemsize
+
+    return sum(held(x) for x in jax.tree.leaves(tree))
+
+
 @dataclasses.dataclass(frozen=True)
 class Resident:
     """Bytes per device of what stays in device memory between programs."""
