@@ -69,12 +69,15 @@ def spec_for(axes: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(RULES.get(a) if a else None for a in axes))
 
 
+def param_sharding(var: nnx.Variable, mesh: Mesh) -> NamedSharding:
+    """A parameter's NamedSharding on ``mesh``, from its logical axis names."""
+    return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or ()))
+
+
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     """A NamedSharding per parameter, from its logical axis names."""
-    def sharding(var: nnx.Variable) -> NamedSharding:
-        return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or ()))
-
-    return jax.tree.map(sharding, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(lambda var: param_sharding(var, mesh), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def place(tree, shardings):
