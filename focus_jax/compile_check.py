@@ -281,7 +281,7 @@ def describe(target: Target) -> str:
         f"model: {cfg.num_params / 1e9:.2f}B parameters in {cfg.dtype}; batch {target.slots} x "
         f"{target.positions} positions, block {target.block_size}, mode "
         f"{target.generation.mode}, kernels {target.kernels}, "
-        f"{len(target.generation.bucket_ladder)}-bucket ladder",
+        f"{len(target.generation.ladder_for('tpu'))}-bucket ladder",
         f"weights + decode state per chip: {_gib(kept.total)} GiB (weights {_gib(kept.weights)}, "
         f"decode state {_gib(kept.decode_state)})",
         f"decode step model FLOPs, every slot at {target.positions} positions: "

@@ -171,6 +171,14 @@ def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, posit
     assert target.prompt_buckets == prompt_buckets(engine.block_size, engine.cache_len)
 
 
+def test_the_description_names_the_tpus_default_ladder_when_none_is_given():
+    from focus_jax.config import DEFAULT_LADDER
+
+    target = compile_check.make_target(TINY, "v5e:1x1", slots=4, positions=32,
+                                       generation=GenerationConfig())
+    assert f"{len(DEFAULT_LADDER)}-bucket ladder" in compile_check.describe(target)
+
+
 def test_one_chip_is_named_as_a_1x1_topology_of_its_generation():
     one = tpu.parse_topology("v5e:1x1")
     assert one.chips == 1 and one.chip.host_topology == "v5e:2x2"
