@@ -229,7 +229,9 @@ def decode_step_flops(cfg: ModelConfig, settings: decoding.DecodeSettings, slots
 def decode_flops_range(target: Target) -> tuple[float, float]:
     """Model FLOPs of a decode step in the largest and in the smallest bucket of both
     compactions (on every data shard), every row attending to the whole cache."""
-    step = settings(target, None)
+    # The ladders are per data shard: settings on a mesh of the target's shape (abstract, so
+    # no libtpu is needed).
+    step = settings(target, AbstractMesh((target.data, target.model), sharding.AXES))
     largest = target.slots * target.block_size
     smallest = step.retained_ladder[0] * target.data
     return tuple(decode_step_flops(target.cfg, step, target.slots, rows, rows, target.positions)

@@ -171,6 +171,17 @@ def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, posit
     assert target.prompt_buckets == prompt_buckets(engine.block_size, engine.cache_len)
 
 
+def test_the_smallest_step_is_every_data_shard_at_its_own_smallest_bucket():
+    """Each data shard compacts its own slots: data=2 over 16 slots steps like two data=1
+    targets of 8 (model FLOPs are linear in slots and rows)."""
+    def smallest(topology, mesh, slots):
+        target = compile_check.make_target(TINY, topology, slots=slots, positions=64, mesh=mesh,
+                                           generation=GenerationConfig())
+        return compile_check.decode_flops_range(target)[1]
+
+    assert smallest("v5e:2x4", "data=2,model=4", 16) == 2 * smallest("v5e:1x1", None, 8)
+
+
 def test_the_description_names_the_tpus_default_ladder_when_none_is_given():
     from focus_jax.config import DEFAULT_LADDER
 
