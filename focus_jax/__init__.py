@@ -1,11 +1,16 @@
 """focus_jax: block-diffusion language models (SDAR) on GPUs and TPUs with JAX, made fast by FOCUS
 eviction inside jit-compiled, static-shape decode steps."""
 
+from focus_jax import tpu
 from focus_jax.api import encode_prompt, generate
 from focus_jax.checkpoint import convert, load, save
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine import Engine, RequestError, RequestStats, Result, RunStats
 from focus_jax.model import Model
+
+# Before any backend starts: on a host without TPU chips, libtpu (installed for compile-check)
+# would print its initialisation errors before every command's output.
+tpu.skip_absent_tpu()
 
 __all__ = [
     "ConfigError", "Engine", "GenerationConfig", "Model", "ModelConfig", "RequestError",

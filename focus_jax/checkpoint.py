@@ -46,7 +46,8 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
 
     ``dtype``: ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's). ``tokenizer=False``
     loads the weights alone (prompts must then be token ids). ``mesh``: shard the parameters
-    over a ``("data", "model")`` mesh (a converted folder restores straight into the shards).
+    over a ``("data", "model")`` mesh, each tensor restored (converted folder) or read (Hugging
+    Face folder) straight into its shards: no device holds a whole tensor it does not own.
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -69,11 +70,8 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
     if (folder / PARAMS_DIR).is_dir():
         decoder = _restore_orbax(folder / PARAMS_DIR, cfg, mesh)
     else:
-        decoder = load_safetensors(folder, cfg)
-    model = Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
-    if mesh is not None:
-        model.params = sharding.shard_params(model.params, mesh)
-    return model
+        decoder = load_safetensors(folder, cfg, mesh)
+    return Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
 
 
 def has_tokenizer(folder: Path) -> bool:

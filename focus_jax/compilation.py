@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable, Hashable, Iterator
@@ -167,6 +168,21 @@ def use_persistent_cache(folder: Path | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_compilation_cache_max_size", PERSISTENT_CACHE_MAX_BYTES)
     return folder
+
+
+@contextlib.contextmanager
+def not_persisted() -> Iterator[None]:
+    """Compilations while the block runs are not written to the persistent compilation cache
+    (its threshold of compile time is raised past any compile, in this process, for the block).
+    For programs compiled for compile-only devices (TPU topologies on a CPU machine): no process
+    can load them back ("PjRtCompiler must be constructed with a Client"), so an entry is dead
+    weight and a warning each time a later compile finds it."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def persistent_cache_folder() -> Path | None:

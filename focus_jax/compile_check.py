@@ -11,7 +11,6 @@ Mosaic kernel as 0 FLOPs and a loop body once, so it cannot be used).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -19,12 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from focus_jax import compilation, decoding, engine, sharding, tpu
+from focus_jax import compilation, decoding, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
-from focus_jax.engine.runner import prefill_rows
+from focus_jax.engine.runner import default_prefill_batch, prefill_rows, prompt_buckets, slot_positions
 from focus_jax.models.params import abstract_decoder
 from pallas_kernels.dispatch import PLATFORM_DEFAULT
 
@@ -87,8 +86,8 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
         raise ConfigError(f"need at least one slot and one block of cache positions, got "
                           f"batch {slots} and max-len {positions}")
     sharding.check_divisible(cfg, sizes, slots)
-    positions = math.ceil(positions / block) * block  # as the engine rounds its cache
-    buckets = engine.prompt_buckets(block, positions)
+    positions = slot_positions(block, positions)
+    buckets = prompt_buckets(block, positions)
     if prompt_lengths is not None:
         too_long = [n for n in prompt_lengths if not 1 <= n <= positions]
         if too_long:
@@ -104,7 +103,7 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                           f"{TPU_KERNELS}")
     return Target(cfg, slice_, sizes["data"], sizes["model"], slots, positions,
                   generation.replace(block_size=block), buckets,
-                  prefill_batch or min(slots, 8),  # the engine's default
+                  prefill_batch or default_prefill_batch(slots),
                   round(hbm_gib * tpu.GIB) if hbm_gib else slice_.chip.hbm_bytes)
 
 
@@ -131,11 +130,8 @@ class ProgramReport:
 
     @property
     def fits(self) -> bool:
+        """Compiled, and what it needs fits the chip."""
         return self.needed is not None and self.needed <= self.hbm_bytes
-
-    @property
-    def ok(self) -> bool:
-        return self.result.compiled and self.fits
 
 
 def settings(target: Target, mesh: Mesh | None) -> decoding.DecodeSettings:
@@ -238,7 +234,9 @@ def decode_step_flops(cfg: ModelConfig, settings: decoding.DecodeSettings, slots
 def decode_flops_range(target: Target) -> tuple[float, float]:
     """Model FLOPs of a decode step in the largest and in the smallest bucket of both
     compactions (on every data shard), every row attending to the whole cache."""
-    step = settings(target, None)
+    # The ladders are per data shard: settings on a mesh of the target's shape (abstract, so
+    # no libtpu is needed).
+    step = settings(target, AbstractMesh((target.data, target.model), sharding.AXES))
     largest = target.slots * target.block_size
     smallest = step.retained_ladder[0] * target.data
     return tuple(decode_step_flops(target.cfg, step, target.slots, rows, rows, target.positions)
@@ -290,7 +288,7 @@ def describe(target: Target) -> str:
         f"model: {cfg.num_params / 1e9:.2f}B parameters in {cfg.dtype}; batch {target.slots} x "
         f"{target.positions} positions, block {target.block_size}, mode "
         f"{target.generation.mode}, kernels {target.kernels}, "
-        f"{len(target.generation.bucket_ladder)}-bucket ladder",
+        f"{len(target.generation.ladder_for('tpu'))}-bucket ladder",
         f"weights + decode state per chip: {_gib(kept.total)} GiB (weights {_gib(kept.weights)}, "
         f"decode state {_gib(kept.decode_state)})",
         f"decode step model FLOPs, every slot at {target.positions} positions: "

@@ -69,12 +69,15 @@ def spec_for(axes: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(RULES.get(a) if a else None for a in axes))
 
 
+def param_sharding(var: nnx.Variable, mesh: Mesh) -> NamedSharding:
+    """A parameter's NamedSharding on ``mesh``, from its logical axis names."""
+    return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or ()))
+
+
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     """A NamedSharding per parameter, from its logical axis names."""
-    def sharding(var: nnx.Variable) -> NamedSharding:
-        return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or ()))
-
-    return jax.tree.map(sharding, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(lambda var: param_sharding(var, mesh), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def place(tree, shardings):
@@ -114,6 +117,17 @@ def bytes_per_device(tree, shardings) -> int:
     places = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     return sum(math.prod(where.shard_shape(a.shape)) * a.dtype.itemsize
                for a, where in zip(arrays, places, strict=True))
+
+
+def bytes_on(tree, device: jax.Device) -> int:
+    """Bytes of ``tree``'s arrays that ``device`` holds now (NumPy arrays and shapes: none)."""
+    def held(x) -> int:
+        where = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or device not in where.device_set:
+            return 0
+        return math.prod(where.shard_shape(x.shape)) * x.dtype.itemsize
+
+    return sum(held(x) for x in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)

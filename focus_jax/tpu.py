@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from focus_jax import sharding
+from focus_jax import compilation, sharding
 from focus_jax.config import ConfigError
 
 GIB = 2**30
@@ -93,6 +94,39 @@ def parse_topology(name: str) -> Topology:
 
 def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
+
+
+def skip_absent_tpu() -> None:
+    """Keep JAX from starting its TPU backend in this process when the host has no TPU chip.
+
+    With libtpu installed (compile-check needs it), JAX tries its TPU backend first whenever it
+    picks the backends itself; on a host without TPU chips JAX drops it quietly, but libtpu
+    first prints pages of initialisation errors to stderr. When the process names no platforms
+    (``JAX_PLATFORMS``, ``jax_platforms``), the backends are not started yet and the PCI bus
+    shows no TPU chip, the TPU backend's factory is replaced by one that refuses, as quietly as
+    JAX drops a failed TPU backend. "tpu" stays a known platform: Pallas TPU lowerings register
+    and compile-check's topologies (which load libtpu on their own) work as before.
+    ``JAX_PLATFORMS=tpu`` starts the TPU backend whatever the PCI bus says. This reads JAX
+    internals; if they change, it does nothing (libtpu prints its errors again).
+    """
+    if os.environ.get("JAX_PLATFORMS") or not libtpu_installed():
+        return
+    try:
+        from jax._src import hardware_utils, xla_bridge
+
+        if (jax.config.jax_platforms or xla_bridge.backends_are_initialized()
+                or "tpu" not in xla_bridge._backend_factories
+                or hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0):
+            return
+        priority = xla_bridge._backend_factories["tpu"].priority
+        xla_bridge.register_backend_factory("tpu", _no_tpu_chip, priority=priority,
+                                            fail_quietly=True)
+    except (ImportError, AttributeError, TypeError, OSError, RuntimeError):
+        return
+
+
+def _no_tpu_chip() -> None:
+    raise RuntimeError("this host has no TPU chip (set JAX_PLATFORMS=tpu to start libtpu anyway)")
 
 
 def require_libtpu() -> None:
@@ -186,7 +220,8 @@ class CompileResult:
 
 def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> CompileResult:
     """Lower ``jitted`` for ``args`` (static values, and abstract inputs on ``mesh``'s devices)
-    and compile it; errors become a one-line message, never an exception.
+    and compile it; errors become a one-line message, never an exception. Nothing is written
+    to the persistent compilation cache (:func:`focus_jax.compilation.not_persisted`).
 
     Lowering runs under ``mesh``'s abstract mesh: some Pallas TPU lowering rules ask the
     current mesh for the chip generation (the default device here is a CPU).
@@ -194,7 +229,7 @@ def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> Compi
     start, cpu_start = time.perf_counter(), time.process_time()
     memory, error = None, None
     try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compilation.not_persisted():
             compiled = jitted.lower(*args).compile()
         memory = ChipMemory.of(compiled)
     except Exception as err:  # any compiler error is a result to report

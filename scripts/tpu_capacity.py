@@ -79,7 +79,7 @@ def largest_batch(cfg: ModelConfig, args: argparse.Namespace, compile_at, upper:
     fit, fit_report, refused, batch = 0, None, upper + step, upper
     while refused - fit > step:
         report = compile_at(batch)
-        if report.ok:
+        if report.fits:
             fit, fit_report = batch, report
             batch = refused - step
             continue
@@ -102,7 +102,7 @@ def longest_prefill(cfg, args, batch: int) -> tuple[int | None, compile_check.Pr
     for length in sorted(buckets, reverse=True):
         [report] = compile_check.check(target(cfg, args, batch, prompts=(length,)), decode=False)
         print(f"  {compile_check.format_report(report)}", flush=True)
-        if report.ok:
+        if report.fits:
             return length, report
     return None, report
 
@@ -157,7 +157,7 @@ def mode_rows(cfg, args, batch: int, focus: compile_check.ProgramReport) -> list
         memory = report.result.memory
         rows.append({
             **row_key(args), "program": "decode round", "mode": mode, "batch": batch,
-            "fits": report.ok, "error": report.result.error,
+            "fits": report.fits, "error": report.result.error,
             "compile_seconds": report.result.seconds,
             "compile_cpu_seconds": report.result.cpu_seconds,
             "hbm_gib": t.hbm_bytes / tpu.GIB,

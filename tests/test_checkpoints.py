@@ -144,26 +144,97 @@ class _Device:
                                                 "bytes_in_use": self.in_use}
 
 
-def test_a_decode_state_that_does_not_fit_the_device_is_a_clear_error(model, monkeypatch):
+def test_weights_and_decode_state_that_do_not_fit_the_device_are_a_clear_error(model,
+                                                                              monkeypatch):
     import jax
+    from jax.sharding import AbstractMesh
 
+    from focus_jax import sharding
     from focus_jax.decoding import init_state
-    from focus_jax.engine import Engine, check_state_fits
+    from focus_jax.engine import Engine, check_memory_fits
 
     shapes = jax.eval_shape(lambda: init_state(model.config, 8, 256, 4, 1))
-    size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    check_state_fits(shapes, [_Device(size + 1000, in_use=1000)], 8, 256)
-    check_state_fits(shapes, [_Device(size // 2 + 8)] * 2, 8, 256)  # half on each of two
-    check_state_fits(shapes, [_Device(None)], 8, 256)  # no memory report: not checked
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    # Shapes of the weights: none of them is on a device yet.
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+
+    def fits(params, devices, mesh=None) -> None:
+        check_memory_fits(params, shapes, devices, mesh, 8, 256)
+
+    fits(abstract, [_Device(weights + state + 1000, in_use=1000)])
+    fits(abstract, [_Device(None)])  # no memory report: not checked
     other_process = _Device(1)
     other_process.process_index = 1
-    check_state_fits(shapes, [_Device(size), other_process], 8, 256)  # reports for its own only
+    fits(abstract, [_Device(weights + state), other_process])  # reports for its own only
+    # Slots over data=2: each device holds half the state (and, replicated, all the weights).
+    two = AbstractMesh((2, 1), sharding.AXES)
+    on_each = sharding.resident_bytes(abstract, shapes, two)
+    assert on_each.decode_state < state and on_each.weights == weights
+    fits(abstract, [_Device(on_each.total)] * 2, two)
     with pytest.raises(ConfigError, match=r"8 slots x 256 cache positions.*fewer slots"):
-        check_state_fits(shapes, [_Device(size + 1000, in_use=1001)], 8, 256)
+        fits(abstract, [_Device(on_each.total - 1)] * 2, two)
+    # The state alone would fit; with the weights it does not. One line naming both.
+    with pytest.raises(ConfigError) as refused:
+        fits(abstract, [_Device(weights + state + 1000, in_use=1001)])
+    message = str(refused.value)
+    assert "the weights (" in message and "the decode state (" in message
+    assert "\n" not in message
     # The engine checks before it allocates.
-    monkeypatch.setattr(jax, "local_devices", lambda *args: [_Device(size // 4)])
-    with pytest.raises(ConfigError, match="needs"):
+    monkeypatch.setattr(jax, "local_devices", lambda *args: [_Device(weights + state // 4)])
+    with pytest.raises(ConfigError, match=r"[KMG]iB are free"):
         Engine(model, GenerationConfig(block_size=4), slots=8, cache_len=256)
+
+
+def test_generate_on_a_device_too_small_for_the_request_is_a_one_line_error(monkeypatch,
+                                                                            capsys):
+    import jax
+
+    from focus_jax.cli import main
+
+    # 8 MiB: room for the decode state (2 MiB), not for the bundled model's weights with it.
+    monkeypatch.setattr(jax, "local_devices", lambda *args: [_Device(8 * 2**20)])
+    code = main(["generate", "--prompt", "hi", "--max-new-tokens", "500"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    [line] = [line for line in err.splitlines() if "focus-jax: error" in line]
+    assert "the weights (" in line and "x 512 cache positions" in line, line
+    assert "8.00 MiB are free" in line and "Traceback" not in err
+
+
+class _Holding(_Device):
+    """A real device (its arrays are there) that reports a memory of ``limit`` bytes."""
+
+    def __init__(self, device, limit: int, in_use: int):
+        super().__init__(limit, in_use)
+        self.device = device
+
+    def __hash__(self):
+        return hash(self.device)
+
+    def __eq__(self, other):
+        return other is self or other == self.device
+
+
+def test_weights_already_on_the_device_count_as_free_there(model):
+    """The engine gets weights already loaded: they move into place, they are not added."""
+    import jax
+
+    from focus_jax import sharding
+    from focus_jax.decoding import init_state
+    from focus_jax.engine import check_memory_fits
+
+    device = jax.devices()[0]
+    placed = jax.device_put(model.params, device)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    assert sharding.bytes_on(placed, device) == weights
+    shapes = jax.eval_shape(lambda: init_state(model.config, 8, 256, 4, 1))
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    check_memory_fits(placed, shapes, [_Holding(device, weights + state, in_use=weights)], None,
+                      8, 256)
+    with pytest.raises(ConfigError, match=r"[KMG]iB are free"):
+        check_memory_fits(placed, shapes, [_Holding(device, weights + state - 1, in_use=weights)],
+                          None, 8, 256)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -5,6 +5,10 @@ on two cores, where a 16-bucket ladder of a real geometry takes minutes.
 """
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +40,7 @@ def test_tiny_decode_round_with_tpu_kernels_compiles_for_one_v5e_chip_and_a_2x4_
     eight = decode_round(mode, "v5e:2x4", "data=2,model=4", "pallas_tpu")
     for report in (one, eight):
         assert report.result.compiled, report.result.error
-        assert report.ok and report.flops > 0
+        assert report.fits and report.flops > 0
     # Slots over data and heads over model: each chip of the mesh holds a fraction of the
     # weights and the cache that one chip holds alone.
     assert eight.result.memory.arguments < one.result.memory.arguments / 2
@@ -149,9 +153,105 @@ def test_model_flops_of_a_step_match_what_xla_counts():
     assert ours == pytest.approx(counted.cost_analysis()["flops"], rel=0.02)
 
 
+@pytest.mark.parametrize("slots, positions, prefill_batch", [(12, 30, None), (3, 64, None),
+                                                            (12, 30, 5)])
+def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, positions,
+                                                                    prefill_batch):
+    from focus_jax import Engine
+    from focus_jax.engine import prompt_buckets
+    from focus_jax.testing import tiny_model
+
+    model = tiny_model(block_size=8)
+    config = GenerationConfig()
+    engine = Engine(model, config, slots=slots, cache_len=positions,
+                    prefill_batch=prefill_batch)
+    target = compile_check.make_target(model.config, "v5e:1x1", slots=slots,
+                                       positions=positions, generation=config,
+                                       prefill_batch=prefill_batch)
+    assert target.positions == engine.cache_len
+    assert target.prefill_batch == engine.runner.prefill_batch
+    assert target.prompt_buckets == prompt_buckets(engine.block_size, engine.cache_len)
+
+
+def test_the_smallest_step_is_every_data_shard_at_its_own_smallest_bucket():
+    """Each data shard compacts its own slots: data=2 over 16 slots steps like two data=1
+    targets of 8 (model FLOPs are linear in slots and rows)."""
+    def smallest(topology, mesh, slots):
+        target = compile_check.make_target(TINY, topology, slots=slots, positions=64, mesh=mesh,
+                                           generation=GenerationConfig())
+        return compile_check.decode_flops_range(target)[1]
+
+    assert smallest("v5e:2x4", "data=2,model=4", 16) == 2 * smallest("v5e:1x1", None, 8)
+
+
+def test_the_description_names_the_tpus_default_ladder_when_none_is_given():
+    from focus_jax.config import DEFAULT_LADDER
+
+    target = compile_check.make_target(TINY, "v5e:1x1", slots=4, positions=32,
+                                       generation=GenerationConfig())
+    assert f"{len(DEFAULT_LADDER)}-bucket ladder" in compile_check.describe(target)
+
+
 def test_one_chip_is_named_as_a_1x1_topology_of_its_generation():
     one = tpu.parse_topology("v5e:1x1")
     assert one.chips == 1 and one.chip.host_topology == "v5e:2x2"
     assert tpu.parse_topology("v5p:2x2x2").chips == 8
     with pytest.raises(ConfigError, match="expected GENERATION:SHAPE"):
         tpu.parse_topology("v5litepod-8")
+
+
+# With the persistent cache on in a fresh folder: a CPU program, compile-check's programs (a
+# prefill and a decode round), then another CPU program; prints the programs kept there.
+CHECK_WITH_THE_CACHE_ON = """
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from focus_jax import GenerationConfig, compilation, compile_check
+from focus_jax.testing import tiny_config
+
+folder = Path(sys.argv[1])
+compilation.use_persistent_cache(folder)
+jax.jit(lambda x: x + 1)(jnp.ones(3))
+target = compile_check.make_target(tiny_config(dtype="bfloat16", block_size=8), "v5e:1x1",
+                                   slots=4, positions=32, prompt_lengths=(8,),
+                                   generation=GenerationConfig(bucket_ladder=(1.0,)))
+assert all(report.fits for report in compile_check.check(target))
+jax.jit(lambda x: x * 3)(jnp.ones(3))
+print(" ".join(p.name.split("-")[0] for p in folder.iterdir() if p.name.endswith("-cache")))
+"""
+
+
+@needs_libtpu
+def test_tpu_programs_are_not_written_to_the_persistent_cache(tmp_path):
+    """A program compiled for a TPU topology cannot be loaded back (the compile-only client has
+    no runtime: "PjRtCompiler must be constructed with a Client"), so none is written; the
+    process's other programs still are."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", CHECK_WITH_THE_CACHE_ON, str(tmp_path / "xla")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    kept = done.stdout.split()
+    assert kept.count("jit__lambda") == 2, kept
+    assert "jit_prefill" not in kept and "jit_decode_round" not in kept, kept
+
+
+@needs_libtpu
+def test_the_compile_check_command_leaves_the_persistent_cache_alone(tiny_folder, tmp_path):
+    """Run as a user runs it (JAX_PLATFORMS unset), twice with the same cache folder: nothing
+    is written there, so the second run warns of no entry it cannot load."""
+    folder = tmp_path / "xla"
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
+           "FOCUS_JAX_CACHE_DIR": str(folder)}
+    command = [sys.executable, "-m", "focus_jax.cli",
+               *compile_check_cli(tiny_folder, "--topology", "v5e:1x1", "--prompt-buckets", "8")]
+    for _ in range(2):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "all 3 programs compiled and fit" in done.stdout  # prefill 1x8 and 4x8, the round
+        assert "PjRtCompiler" not in done.stderr and "persistent compilation cache" not in \
+            done.stderr, done.stderr
+    assert not folder.exists() or not any(folder.iterdir())

@@ -89,3 +89,39 @@ def test_two_processes_on_localhost_decode_like_one():
     lines = lambda text: [json.loads(x) for x in text.splitlines() if x.startswith("[[")]
     assert lines(outputs[1][0]) == []  # only process 0 prints
     assert lines(outputs[0][0]) == lines(single.stdout) != []
+
+
+def test_a_hugging_face_folder_loads_straight_into_the_shards(tmp_path):
+    """The reader of host tensors places each one with its parameter's sharding (no device is
+    given a whole tensor it does not own, then resharded): the weights equal the single-device
+    load, through ``load_safetensors`` and through ``focus_jax.load`` (which restores a converted
+    folder into the shards too)."""
+    from flax import nnx
+
+    import focus_jax
+    from focus_jax.models.params import save_safetensors
+    from focus_jax.testing import tiny_model
+
+    model = tiny_model(num_heads=8, num_kv_heads=8, vocab_size=256)
+    hf = tmp_path / "hf"
+    save_safetensors(nnx.merge(model.graphdef, model.params), hf)
+    (hf / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+    converted = focus_jax.save(model, tmp_path / "converted")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(ROOT / "tests/sharding/load.py"), str(hf),
+                          str(converted)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    loads = [row for row in rows if "load" in row]
+    rows = [row for row in rows if "load" not in row]
+    assert len(loads) == 3 * 2 and all(row["load"] for row in loads), loads
+    assert len(rows) == 3 * len(nnx.to_flat_state(model.params))
+    for row in rows:
+        assert row["equal"] and row["sharding"], row
+        if row["sharded"]:
+            # One shard shape, smaller than the whole tensor: no device got all of it.
+            [shard] = row["shard_shapes"]
+            assert shard != row["shape"], row
+    # Heads, MLP and vocabulary split over model; nothing splits over data alone.
+    assert {tuple(r["mesh"]) for r in rows if r["sharded"]} == {(2, 4), (1, 8)}

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from focus_jax import tpu
+from focus_jax import compilation, tpu
 from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
@@ -35,10 +35,11 @@ def one_chip_mesh(generation: str) -> Mesh:
 
 def compile_for(mesh: Mesh, f, *inputs: tuple[tuple[int, ...], object, P]) -> str:
     """Compile ``f`` for abstract ``(shape, dtype, spec)`` inputs on ``mesh``; its lowered
-    program's text. Lowering runs under the mesh: Mosaic's lowering asks it for the chip."""
+    program's text. Lowering runs under the mesh: Mosaic's lowering asks it for the chip. Not
+    written to the persistent cache: no process could load it back."""
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
             for shape, dtype, spec in inputs]
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compilation.not_persisted():
         lowered = jax.jit(f).lower(*args)
         lowered.compile()
     return lowered.as_text()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -25,7 +24,7 @@ from focus_jax.compaction import bucket_ladder
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunStats
 from focus_jax.engine.params import RequestError, SamplingParams
-from focus_jax.engine.runner import Runner
+from focus_jax.engine.runner import Runner, default_prefill_batch, slot_positions
 from focus_jax.engine.scheduler import Request, Scheduler
 from focus_jax.model import Model
 from focus_jax.policies import Policies
@@ -65,7 +64,7 @@ class Engine:
         self.config = config
         self.block_size = block
         self.slots = slots
-        self.cache_len = math.ceil(cache_len / block) * block
+        self.cache_len = slot_positions(block, cache_len)
         self.stop_token_ids = tuple(config.stop_token_ids if config.stop_token_ids is not None
                                     else model.stop_token_ids)
         if mesh is not None:
@@ -75,7 +74,7 @@ class Engine:
                                         slots, devices[0].platform, mesh)
         ladder = self.settings.processed_ladder
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
-                             prefill_batch=prefill_batch or min(slots, 8),
+                             prefill_batch=prefill_batch or default_prefill_batch(slots),
                              steps_per_round=config.steps_per_round, mesh=mesh)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from focus_jax import compilation, decoding, sharding
@@ -19,6 +21,17 @@ from focus_jax.engine.output import RoundCopy
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.scheduler import Request
 from focus_jax.model import Model
+
+
+def slot_positions(block_size: int, cache_len: int) -> int:
+    """Cache positions per slot the engine allocates when asked for ``cache_len``: whole
+    blocks."""
+    return math.ceil(cache_len / block_size) * block_size
+
+
+def default_prefill_batch(slots: int) -> int:
+    """Prompts per prefill call when the engine is not given its own number: ``min(slots, 8)``."""
+    return min(slots, 8)
 
 
 def cache_length(block_size: int, positions: int) -> int:
@@ -68,7 +81,7 @@ class Runner:
                                        settings.block_size, settings.mask_token_id)
         shapes = jax.eval_shape(make_state)
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-        check_state_fits(shapes, devices, slots, cache_len)
+        check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
         if mesh is not None:
             # Slots (and the cache) over "data", heads and MLP over "model": each data shard
             # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
@@ -159,21 +172,35 @@ class Runner:
         jax.block_until_ready(self.state)
 
 
-def check_state_fits(state: decoding.DecodeState, devices: Sequence[jax.Device], slots: int,
-                     positions: int) -> None:
-    """Raise ``ConfigError`` if the decode state (``state``: shapes, e.g. from ``eval_shape``;
-    nearly all of it the KV cache) cannot fit in the devices' free memory, spread evenly over
-    them. Devices that do not report their memory (CPUs) are not checked."""
+def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
+                      devices: Sequence[jax.Device], mesh: Mesh | None, slots: int,
+                      positions: int) -> None:
+    """Raise ``ConfigError`` if the weights ``params`` and the decode state ``state`` (shapes,
+    e.g. from ``eval_shape``; nearly all of it the KV cache), placed as the engine places them
+    (sharded over ``mesh``, or on ``devices[0]``), do not fit the devices' memory. Weights
+    already on a device count as free there: they are moved, not added. Devices that do not
+    report their memory (CPUs) are not checked."""
     # Only this process's devices can report (the others are checked by their own processes).
-    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
+    own = [d for d in devices if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() for d in own]
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return
-    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / len(devices)
-    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-    if needed > free:
-        gib = 2**30
+    needed = sharding.resident_bytes(params, state, mesh)
+    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(params, d)
+               for d, s in zip(own, stats, strict=True))
+    if needed.total > free:
         raise ConfigError(
-            f"the decode state ({slots} slots x {positions} cache positions, nearly all of it the "
-            f"KV cache) needs {needed / gib:.1f} GiB per device, but {free / gib:.1f} GiB are "
-            f"free: use fewer slots (batch size) or a shorter cache (shorter prompts or fewer "
-            f"max_new_tokens)")
+            f"the weights ({_size(needed.weights)} per device) and the decode state ({slots} "
+            f"slot{'s' if slots > 1 else ''} x {positions} cache positions: "
+            f"{_size(needed.decode_state)} per device) need "
+            f"{_size(needed.total)} per device, but {_size(free)} are free: use fewer slots "
+            f"(batch size), a shorter cache (shorter prompts or fewer max_new_tokens) or more "
+            f"devices")
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest of GiB, MiB and KiB that keeps them >= 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from focus_jax import sharding
 from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.models.qwen3 import Decoder
 
@@ -142,8 +144,10 @@ def abstract_decoder(cfg: ModelConfig) -> Decoder:
     return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
-def load_safetensors(folder: Path, cfg: ModelConfig) -> Decoder:
-    """Build the decoder from a Hugging Face folder's safetensors weights, cast to ``cfg.dtype``."""
+def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -> Decoder:
+    """Build the decoder from a Hugging Face folder's safetensors weights, cast to ``cfg.dtype``:
+    on the default device, or each tensor straight into its shards of ``mesh`` (from host
+    memory: no device holds more of a tensor than its own shard)."""
     dtype = np.dtype(cfg.jnp_dtype)
     flat: dict[tuple[str, ...], np.ndarray] = {}
     per_layer: dict[tuple[str, ...], list[np.ndarray | None]] = {}
@@ -169,10 +173,11 @@ def load_safetensors(folder: Path, cfg: ModelConfig) -> Decoder:
         flat[("layers", *path)] = np.stack(slots)
     if cfg.tie_word_embeddings:
         flat.pop(("lm_head",), None)
-    return _fill(abstract_decoder(cfg), flat, folder)
+    return _fill(abstract_decoder(cfg), flat, folder, mesh)
 
 
-def _fill(model: Decoder, flat: dict[tuple[str, ...], np.ndarray], origin: Path) -> Decoder:
+def _fill(model: Decoder, flat: dict[tuple[str, ...], np.ndarray], origin: Path,
+          mesh: Mesh | None = None) -> Decoder:
     graphdef, state = nnx.split(model)
     expected = {path: var for path, var in nnx.to_flat_state(state)}
     missing = sorted(".".join(p) for p in expected if p not in flat)
@@ -186,8 +191,17 @@ def _fill(model: Decoder, flat: dict[tuple[str, ...], np.ndarray], origin: Path)
         if value.shape != want:
             raise ConfigError(f"{'.'.join(path)} in {origin} has shape {tuple(value.shape)}, "
                               f"config.json implies {tuple(want)}")
-        expected[path].set_value(jnp.asarray(value))
+        expected[path].set_value(_place(value, expected[path], mesh))
     return nnx.merge(graphdef, state)
+
+
+def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.Array:
+    """A host tensor on the default device, or on ``mesh`` with its parameter's sharding, each
+    device given only its own slice of it (this process's devices: the others load theirs)."""
+    if mesh is None:
+        return jnp.asarray(value)
+    where = sharding.param_sharding(var, mesh)
+    return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
 
 
 def _to_torch_layout(value: jax.Array, path: tuple[str, ...]) -> jax.Array:
