@@ -70,13 +70,13 @@ def free_port() -> int:
 class Server:
     """`focus-jax serve` in a subprocess, its output in a log file."""
 
-    def __init__(self, log: Path, cache: Path, *options: str):
+    def __init__(self, log: Path, cache: Path, *options: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-               "JAX_DEFAULT_MATMUL_PRECISION": "highest"}  # as conftest sets it here
+               "JAX_DEFAULT_MATMUL_PRECISION": "highest", **(env or {})}  # as conftest sets it
         command = [sys.executable, "-m", "focus_jax.cli", "serve", "--port", str(self.port),
                    "--bucket-ladder", ",".join(map(str, LADDER)), "--max-model-len", str(CONTEXT),
                    "--max-batch", str(SLOTS), "--api-key", KEY, "--log-level", "warning", *options]
@@ -467,6 +467,30 @@ def test_sigterm_ends_every_request_and_exits_0(tmp_path, cache):
         last = json.loads(lines[-2])
         completed = "choices" in last and last["choices"][0]["finish_reason"] == "length"
         assert completed or last["error"]["code"] == "unavailable", lines[-2]
+
+
+def test_a_server_on_a_two_device_mesh_answers_as_generate_does(tmp_path, cache, model):
+    """``--mesh data=2`` (two CPU devices, half the slots on each): concurrent greedy answers
+    equal ``focus_jax.generate`` on one device. Baseline mode: FOCUS's eviction on a mesh equals
+    one device only where XLA rounds alike (tests/sharding/compare.py)."""
+    two = Server(tmp_path / "mesh.log", cache, "--mesh", "data=2", "--mode", "baseline",
+                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    config = focus_jax.GenerationConfig(mode="baseline", bucket_ladder=LADDER, max_batch=SLOTS,
+                                        max_new_tokens=MAX_TOKENS, max_cache_len=CONTEXT)
+    expected = [r.text for r in focus_jax.generate(model, list(PROMPTS), config)]
+    two.wait_ready()
+    try:
+        async def ask_all() -> list[str]:
+            client = two.async_client()
+            answers = await asyncio.gather(*(
+                client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS,
+                                               messages=[{"role": "user", "content": prompt}])
+                for prompt in PROMPTS))
+            return [a.choices[0].message.content for a in answers]
+
+        assert asyncio.run(ask_all()) == expected
+    finally:
+        two.stop()
 
 
 def test_serve_refuses_a_port_in_use(capsys):
