@@ -1,8 +1,17 @@
 """Run in a fresh process with 8 forced CPU devices: sharded generate equals single-device.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/compare.py MODE...
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false" \
+        python tests/sharding/compare.py MODE...
 Prints one JSON line per mode and mesh: whether the tokens are equal, and how the cache and a
 weight are spread over the devices after the run.
+
+Without the second flag XLA may keep a bfloat16 intermediate in float32 (it drops a convert to
+bfloat16 and back), and where it does depends on how the program is built: on the CPU the step
+inside ``shard_map`` rounds the q/k-norm's scaled output to bfloat16 before RoPE, the same step
+on one device does not. FOCUS selects by a threshold on importance, so that one rounding changes
+the tokens of the bundled bfloat16 model (:func:`compare_bundled`). With the flag, every program
+rounds where the code says, and a sharded step must compute exactly what the single-device one
+does.
 """
 
 import collections
@@ -16,7 +25,8 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from focus_jax import Engine, GenerationConfig, generate  # noqa: E402
+from focus_jax import Engine, GenerationConfig, encode_prompt, generate, load  # noqa: E402
+from focus_jax.cli import BUNDLED_MODEL, DEMO_PROMPTS  # noqa: E402
 from focus_jax.engine import SamplingParams, run_to_completion  # noqa: E402
 from focus_jax.sharding import make_mesh  # noqa: E402
 from focus_jax.testing import random_prompts, tiny_model  # noqa: E402
@@ -24,10 +34,12 @@ from focus_jax.testing import random_prompts, tiny_model  # noqa: E402
 
 def main() -> None:
     assert len(jax.devices()) == 8, jax.devices()
+    assert "--xla_allow_excess_precision=false" in os.environ.get("XLA_FLAGS", ""), __doc__
     for mode in sys.argv[1:]:
         compare(mode)
     # Sampling: every data shard draws with the keys of the rows' global positions.
     compare("focus", temperature=0.8, meshes=((8, 1),))
+    print(json.dumps({"bundled_focus_equal": compare_bundled()}), flush=True)
     print(json.dumps({"collectives": data_parallel_collectives()}), flush=True)
 
 
@@ -67,6 +79,21 @@ def compare(mode: str, temperature: float = 0.0,
             "cache_shard_shape": list(engine.state.cache.k.addressable_shards[0].data.shape),
             "gate_shard_shape": list(gate[...].addressable_shards[0].data.shape),
         }), flush=True)
+
+
+def compare_bundled() -> bool:
+    """The bundled bfloat16 model, FOCUS mode, one slot per data shard of a data=2 mesh: the
+    same tokens as on one device? (The float32 tiny model has no rounding to bfloat16 that a
+    program could skip.)"""
+    model = load(BUNDLED_MODEL)
+    config = GenerationConfig(mode="focus", bucket_ladder=(0.5, 1.0), max_new_tokens=32)
+    tokens = []
+    for mesh in (None, make_mesh(2, 1)):
+        engine = Engine(model, config, slots=2, cache_len=128, mesh=mesh)
+        ids = [engine.add_request(encode_prompt(model, p)) for p in DEMO_PROMPTS]
+        results = run_to_completion(engine)
+        tokens.append([results[i].token_ids for i in ids])
+    return tokens[0] == tokens[1]
 
 
 if __name__ == "__main__":
