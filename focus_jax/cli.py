@@ -522,7 +522,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="focus-jax", description=(
         "Block-diffusion language models in JAX with FOCUS eviction."))
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_command(sub)
+    _add_convert_command(sub)
+    _add_eval_command(sub)
+    _add_bench_command(sub)
+    _add_train_command(sub)
+    _add_demo_command(sub)
+    _add_serve_command(sub)
+    _add_compile_check_command(sub)
+    return parser
 
+
+def _add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text for prompts")
     _add_generation_options(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -530,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stream", action="store_true", help="print at the end, not as it comes")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_convert_command(sub: argparse._SubParsersAction) -> None:
     conv = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax folder")
     conv.add_argument("hf_dir", type=Path)
     conv.add_argument("out_dir", type=Path)
@@ -538,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replace the model folder at OUT_DIR (kept until the new one is complete)")
     conv.set_defaults(func=cmd_convert)
 
+
+def _add_eval_command(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="exact match and compute of the modes on held-out tasks")
     ev.add_argument("--model", type=Path, default=None)
     ev.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
@@ -554,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_cache_option(ev)
     ev.set_defaults(func=cmd_eval)
 
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be = sub.add_parser("bench", help="closed-loop throughput of the modes")
     be.add_argument("--geometry", choices=("sdar-1.7b", "sdar-8b"), default=None,
                     help="random weights of this geometry (else --model)")
@@ -574,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)
 
+
+def _add_train_command(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train", help="fine-tune a model on (prompt, response) pairs")
     tr.add_argument("--model", type=Path, required=True)
     tr.add_argument("--data", type=Path, required=True,
@@ -599,11 +618,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "and on Ctrl-C)")
     tr.set_defaults(func=cmd_train)
 
+
+def _add_demo_command(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="generate for three held-out prompts with the default model")
     demo.add_argument("--model", type=Path, default=None)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     _add_compile_cache_option(demo)
     demo.set_defaults(func=cmd_demo)
+
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
     srv.add_argument("--model", type=Path, default=None,
                      help=f"model folder (default: {BUNDLED_MODEL})")
@@ -633,6 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default="info")
     srv.set_defaults(func=cmd_serve)
 
+
+def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
     cc = sub.add_parser("compile-check", help="compile every program for a TPU slice, here, "
                                               "and check that it fits the chips' HBM")
     cc.add_argument("--topology", required=True,
@@ -660,7 +686,6 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--hbm-gib", type=float, default=None,
                     help="HBM a program may use per chip (default: the chip's)")
     cc.set_defaults(func=cmd_compile_check)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
