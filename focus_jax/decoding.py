@@ -469,16 +469,16 @@ def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"],
 
 
 def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, max_steps: int,
-                 stop_on_finish: Bool[Array, ""], step_limit: Int[Array, ""] | None = None,
+                 stop_on_finish: Bool[Array, ""], step_limit: Int[Array, ""],
                  ) -> tuple[DecodeState, StepLog, Int[Array, ""]]:
-    """Run up to ``step_limit`` (at most ``max_steps``, the default) steps in one
+    """Run up to ``step_limit`` (at most ``max_steps``) steps in one
     ``lax.while_loop``: until no slot is live, or (with ``stop_on_finish``) as soon as some
     request finishes so its slot can be refilled. ``step_limit`` is a run-time value: rounds of
     any length up to ``max_steps`` share one compiled program.
 
     Returns the state, the per-step logs ``[max_steps, ...]`` and the number of steps run.
     """
-    limit = max_steps if step_limit is None else jnp.minimum(step_limit, max_steps)
+    limit = jnp.minimum(step_limit, max_steps)  # the logs hold max_steps steps
     s, b = state.tokens.shape
     empty = StepLog(*(jnp.zeros((max_steps, s, b), bool) for _ in range(4)),
                     jnp.zeros((max_steps, s), bool), jnp.zeros((max_steps,), jnp.int32),

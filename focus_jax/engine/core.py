@@ -110,8 +110,7 @@ class Engine:
                  params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """The prompt as a list of token ids and the request's resolved parameters; raises
         :class:`RequestError` for a request this engine cannot serve (``TypeError`` for ids that
-        are not integers). Reads only the engine's
-        configuration (safe from any thread)."""
+        are not integers). Reads only the engine's configuration (safe from any thread)."""
         ids = _token_ids(prompt, self.model.config.vocab_size)
         resolved = (params or SamplingParams()).resolved(self.config, self.stop_token_ids)
         self.scheduler.check_fits(len(ids), resolved.max_new_tokens)
@@ -179,7 +178,7 @@ class Engine:
         whole rounds otherwise."""
         if self.scheduler.waiting or len(self.scheduler.running) == self.slots:
             return self.config.steps_per_round
-        return min(self.config.free_slot_round_steps, self.config.steps_per_round)
+        return self.config.free_slot_round_steps  # the round caps it at steps_per_round
 
     def _after_round(self, copy) -> list[RequestOutput]:
         running = dict(self.scheduler.running)

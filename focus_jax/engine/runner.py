@@ -138,21 +138,23 @@ class Runner:
         """Run a round of at most ``steps`` steps (default and cap: ``steps_per_round``; until
         every slot is idle, or, with ``stop_on_finish``, the first finished request) and copy
         its results to the host."""
-        limit = self.steps_per_round if steps is None else min(steps, self.steps_per_round)
-        self.state, logs, steps = self._round(self.model.params, self.state,
-                                              np.asarray(stop_on_finish), np.int32(limit))
+        self.state, logs, ran = self._round(*self._round_args(stop_on_finish, steps))
         # One transfer per round: the step logs and slot progress. (On GPUs the call above may
         # already have waited: XLA reads a while loop's condition each step.)
         state = self.state
-        logs, steps, *slots = to_host((logs, steps, state.live, state.out_len, state.history,
-                                       state.sequence))
-        return RoundCopy(logs, int(steps), *slots)
+        logs, ran, *slots = to_host((logs, ran, state.live, state.out_len, state.history,
+                                     state.sequence))
+        return RoundCopy(logs, int(ran), *slots)
+
+    def _round_args(self, stop_on_finish: bool, steps: int | None = None) -> tuple:
+        """The decode round's arguments (the step limit a run-time value: one program)."""
+        limit = self.steps_per_round if steps is None else steps
+        return (self.model.params, self.state, np.asarray(stop_on_finish), np.int32(limit))
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its
         compiled program: memory, HLO, cost)."""
-        return self._round.lower(self.model.params, self.state, np.asarray(False),
-                                 np.int32(self.steps_per_round))
+        return self._round.lower(*self._round_args(False))
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
@@ -167,8 +169,7 @@ class Runner:
             self._run_prefill(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                               np.full((n,), self.slots, np.int32), slot_params_rows([], n))
         self.release([])
-        self.state, _, _ = self._round(self.model.params, self.state, np.asarray(False),
-                                       np.int32(self.steps_per_round))
+        self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
 
 
