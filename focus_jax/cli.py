@@ -479,14 +479,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_compile_check(args: argparse.Namespace) -> int:
-    import jax
+    from focus_jax.compilation import persistent_cache_off
 
+    # No program compiled for a TPU topology can be loaded back from the persistent cache, so
+    # the check neither reads nor writes it (restored after: callers in-process keep theirs).
+    with persistent_cache_off():
+        return _compile_check(args)
+
+
+def _compile_check(args: argparse.Namespace) -> int:
     from focus_jax import compile_check, tpu
     from focus_jax.config import NAMED_GEOMETRIES, ModelConfig
-
-    # Before the first compile: no program compiled for a TPU topology can be loaded back from
-    # the persistent cache, so this process neither reads nor writes it.
-    jax.config.update("jax_enable_compilation_cache", False)
 
     if (args.geometry is None) == (args.model is None):
         raise ConfigError("give one of --geometry NAME or --model PATH")

@@ -171,6 +171,17 @@ def use_persistent_cache(folder: Path | None = None) -> Path | None:
 
 
 @contextlib.contextmanager
+def persistent_cache_off() -> Iterator[None]:
+    """The persistent compilation cache is neither read nor written while the block runs."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+@contextlib.contextmanager
 def not_persisted() -> Iterator[None]:
     """Compilations while the block runs are not written to the persistent compilation cache
     (its threshold of compile time is raised past any compile, in this process, for the block).
