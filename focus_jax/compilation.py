@@ -171,29 +171,28 @@ def use_persistent_cache(folder: Path | None = None) -> Path | None:
 
 
 @contextlib.contextmanager
-def persistent_cache_off() -> Iterator[None]:
-    """The persistent compilation cache is neither read nor written while the block runs."""
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+def _jax_config(name: str, value: object) -> Iterator[None]:
+    """JAX's option ``name`` set to ``value`` while the block runs, then restored."""
+    before = getattr(jax.config, name)
+    jax.config.update(name, value)
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", before)
+        jax.config.update(name, before)
 
 
-@contextlib.contextmanager
-def not_persisted() -> Iterator[None]:
+def persistent_cache_off() -> contextlib.AbstractContextManager[None]:
+    """The persistent compilation cache is neither read nor written while the block runs."""
+    return _jax_config("jax_enable_compilation_cache", False)
+
+
+def not_persisted() -> contextlib.AbstractContextManager[None]:
     """Compilations while the block runs are not written to the persistent compilation cache
     (its threshold of compile time is raised past any compile, in this process, for the block).
     For programs compiled for compile-only devices (TPU topologies on a CPU machine): no process
     can load them back ("PjRtCompiler must be constructed with a Client"), so an entry is dead
     weight and a warning each time a later compile finds it."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    return _jax_config("jax_persistent_cache_min_compile_time_secs", math.inf)
 
 
 def persistent_cache_folder() -> Path | None:
