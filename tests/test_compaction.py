@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from focus_jax.compaction import Compaction, bucket_ladder
-from focus_jax.config import DEFAULT_LADDER
+from focus_jax.config import DEFAULT_LADDER, GPU_LADDER
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -43,6 +43,8 @@ def test_default_ladder_is_fine_where_focus_runs():
     steps = np.diff((0, *sizes))
     assert (steps[sizes.index(2048) + 1:sizes.index(4096) + 1] == 512).all()
     assert (steps[:sizes.index(2048) + 1] == 256).all() and (steps[-4:] == 1024).all()
+    # GPUs add 64 and 128 rows below the smallest (a lightly loaded server's step).
+    assert bucket_ladder(8192, GPU_LADDER) == (64, 128, *sizes)
 
 
 @pytest.mark.parametrize("kept", [1, 3, 7])

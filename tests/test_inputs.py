@@ -61,11 +61,12 @@ def test_settings_in_numpy_types_are_taken_as_python_numbers():
     hash(config)  # lists became tuples: the config stays hashable
 
 
-def test_the_cpu_takes_its_own_default_ladder_unless_one_is_given():
-    from focus_jax.config import CPU_LADDER, DEFAULT_LADDER
+def test_each_platform_takes_its_own_default_ladder_unless_one_is_given():
+    from focus_jax.config import CPU_LADDER, DEFAULT_LADDER, GPU_LADDER
 
     assert GenerationConfig().ladder_for("cpu") == CPU_LADDER
-    assert GenerationConfig().ladder_for("gpu") == DEFAULT_LADDER
+    assert GenerationConfig().ladder_for("gpu") == GPU_LADDER
+    assert GenerationConfig().ladder_for("tpu") == DEFAULT_LADDER
     assert GenerationConfig(bucket_ladder=(1.0,)).ladder_for("cpu") == (1.0,)
 
 
