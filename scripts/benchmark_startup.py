@@ -93,11 +93,12 @@ def fresh_and_again(command: list[str]) -> dict:
 
 
 def ladder_costs(names: list[str], batch: int) -> dict:
-    """Per ladder: CPU seconds to compile the decode round for ``batch`` slots, and to decode
-    ``batch`` held-out questions in focus mode (128 new tokens), with the answers' exact match."""
+    """Per ladder: CPU seconds to compile the decode round for ``batch`` slots (the round alone),
+    and to decode ``batch`` held-out questions in focus mode (128 new tokens), with the answers'
+    exact match."""
     from focus_jax import GenerationConfig, tasks
     from focus_jax.cli import load_model
-    from focus_jax.engine import Engine, cache_length
+    from focus_jax.engine import Engine, cache_length, run_to_completion
     from focus_jax.prompts import encode_prompt
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile every ladder afresh
@@ -110,12 +111,15 @@ def ladder_costs(names: list[str], batch: int) -> dict:
         config = GenerationConfig(mode="focus", max_new_tokens=128,
                                   bucket_ladder=LADDERS[name] or CPU_LADDER)
         engine = Engine(model, config, slots=batch, cache_len=positions)
+        # Only the decode round is timed: the prefill programs do not depend on the ladder (the
+        # first ladder's warm-up would pay for them all).
         load, start = os.getloadavg()[0], time.process_time()
-        engine.warmup()
+        engine.lower_round().compile()
         compile_cpu = time.process_time() - start
-        ids = [engine.submit(p) for p in prompts]
+        engine.warmup()  # the prefill programs; the round is already compiled
+        ids = [engine.add_request(p) for p in prompts]
         start = time.process_time()
-        results = engine.run()
+        results = run_to_completion(engine)
         rows[name] = {"compile_cpu_seconds": round(compile_cpu, 1),
                       "decode_cpu_seconds": round(time.process_time() - start, 2),
                       "decode_seconds": round(engine.stats.decode_seconds, 2),
