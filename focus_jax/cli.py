@@ -290,7 +290,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batches = _positive_integers("--batches", args.batches)
     modes = _modes(args.modes)
     _require_positive(args, "requests_per_slot", "max_new_tokens")
-    ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round}
+    ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round,
+              "kernels": args.kernels}
     GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
     rates = _positive_rates(args.request_rate) if args.request_rate else None
     _compile_cache(args)
@@ -463,7 +464,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= context <= positions:
         raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
                           f"max_position_embeddings), got {context}")
-    config = GenerationConfig(mode=args.mode, **_ladder(args.bucket_ladder))
+    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder))
     engine = Engine(model, config, slots=args.max_batch, cache_len=context, mesh=mesh)
     name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
     print(f"focus-jax serve: compiling every program for {args.max_batch} slots x {context} "
@@ -573,6 +574,15 @@ def _add_eval_command(sub: argparse._SubParsersAction) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
+KERNELS = ("xla", "triton", "pallas_triton", "pallas_tpu")
+
+
+def _add_kernels_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kernels", choices=KERNELS, default=None,
+                        help="attention and importance kernels (default: the platform's; "
+                             "pallas_triton: the experimental Pallas Triton attention)")
+
+
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be = sub.add_parser("bench", help="closed-loop throughput of the modes")
     be.add_argument("--geometry", choices=("sdar-1.7b", "sdar-8b"), default=None,
@@ -590,6 +600,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--steps-per-round", type=int, default=GenerationConfig.steps_per_round,
                     help="denoising steps per device round (admissions happen between rounds)")
     be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
+    _add_kernels_option(be)
     _add_compile_cache_option(be)
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)
@@ -652,6 +663,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                      help="compaction bucket sizes as fractions of slots x block, comma-separated "
                           "(fewer: faster warm-up, more padding)")
     srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    _add_kernels_option(srv)
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish on SIGTERM before they are aborted")
     srv.add_argument("--mesh", default=None,

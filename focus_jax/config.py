@@ -265,7 +265,9 @@ class GenerationConfig:
     (None: the platform's, :meth:`ladder_for`)."""
     kernels: str | None = None
     """Kernels for attention and FOCUS importance: ``xla``, ``pallas_tpu``,
-    ``pallas_tpu_interpret``, ``triton`` (None: the platform's default)."""
+    ``pallas_tpu_interpret``, ``triton``, or ``pallas_triton`` / ``pallas_triton_interpret``
+    (attention through Pallas's Triton backend, importance the platform's default; experimental,
+    not yet run on a GPU) (None: the platform's default)."""
     steps_per_round: int = 16
     """Denoising steps run on the device per host round trip: requests are admitted, and blocks
     streamed, between rounds. 16 measured as fast as 32 at SDAR-8B batch 256 on an H200 (3244 vs

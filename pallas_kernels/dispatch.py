@@ -36,22 +36,33 @@ def default_impl(op: str) -> str:
 
 def implementations(package: str, function: str) -> dict[str, Callable[..., Any]]:
     """Every backend of one op: each of ``package``'s modules ``reference`` (the XLA path),
-    ``pallas_tpu`` and ``triton_gpu`` defines ``function``. The Triton module is imported on
-    first call (it needs triton and jax-triton, which only GPU installs have)."""
+    ``pallas_tpu``, ``triton_gpu`` and, where there is one, ``pallas_triton`` defines
+    ``function``. The jax-triton module is imported on first call (it needs triton and
+    jax-triton, which only GPU installs have)."""
     def load(module: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(f"{package}.{module}"), function)
 
     def triton(*args: Any, **kwargs: Any) -> Any:
         return load("triton_gpu")(*args, **kwargs)
 
-    return {"xla": load("reference"), "pallas_tpu": load("pallas_tpu"),
-            "pallas_tpu_interpret": functools.partial(load("pallas_tpu"), interpret=True),
-            "triton": triton}
+    impls = {"xla": load("reference"), "pallas_tpu": load("pallas_tpu"),
+             "pallas_tpu_interpret": functools.partial(load("pallas_tpu"), interpret=True),
+             "triton": triton}
+    if importlib.util.find_spec(f"{package}.pallas_triton") is not None:
+        # Pallas's Triton backend (NVIDIA GPUs), and the same kernel in the interpreter.
+        impls["pallas_triton"] = load("pallas_triton")
+        impls["pallas_triton_interpret"] = functools.partial(load("pallas_triton"),
+                                                             interpret=True)
+    return impls
 
 
 def choose(op: str, impls: Mapping[str, Callable[..., Any]], impl: str | None) -> Callable[..., Any]:
     """The implementation named ``impl``, or the platform's default one."""
     name = impl or default_impl(op)
+    if name.startswith("pallas_triton") and name not in impls:
+        # Ops without a Pallas Triton kernel (FOCUS importance) run their platform's default
+        # beside one that has it: kernels="pallas_triton" names the attention kernel.
+        name = default_impl(op)
     if name not in impls:
         raise ValueError(f"{op}: unknown impl {name!r}; choose from {sorted(impls)}")
     return impls[name]

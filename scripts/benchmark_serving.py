@@ -41,6 +41,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
                    "--log-level", "warning"]
         if args.bucket_ladder:
             command += ["--bucket-ladder", args.bucket_ladder]
+        if args.kernels:
+            command += ["--kernels", args.kernels]
         return command, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
     command = [sys.executable, "-m", "lmdeploy", "serve", "api_server", str(args.model_dir),
                "--backend", "pytorch", "--server-name", "127.0.0.1", "--server-port", str(args.port),
@@ -85,6 +87,7 @@ def main() -> int:
                         help="context per request: the longest prompt (1024, a little more once "
                              "its text is tokenized again) plus 256 new tokens")
     parser.add_argument("--bucket-ladder", default=None, help="focus-jax only")
+    parser.add_argument("--kernels", default=None, help="focus-jax only")
     parser.add_argument("--cache-max-entry-count", type=float, default=0.5, help="lmdeploy only")
     parser.add_argument("--rates", default="2,4,12,inf", help="requests/s, comma-separated")
     parser.add_argument("--num-requests", type=int, default=256)

@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--modes", default="baseline,focus")
     parser.add_argument("--ladder", help="bucket ladder fractions, comma-separated")
+    parser.add_argument("--kernels", default=None, help="GenerationConfig.kernels")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", default="profile")
     args = parser.parse_args()
@@ -101,6 +102,8 @@ def main() -> None:
     lengths = bench.prompt_lengths(args.requests or args.batch)
     prompts = bench.random_prompts(model.config, lengths, seed=1)  # as bench.run's (seed 0)
     extra = {"bucket_ladder": tuple(float(f) for f in args.ladder.split(","))} if args.ladder else {}
+    if args.kernels:
+        extra["kernels"] = args.kernels
     out = Path(args.out)
     for mode in args.modes.split(","):
         config = GenerationConfig(mode=mode, block_size=model.config.block_size or 32,

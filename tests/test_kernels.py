@@ -28,16 +28,28 @@ ON_GPU = jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton
 GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(
     not ON_GPU, reason="the Triton kernels need an NVIDIA GPU and jax-triton")]
 IMPLS = ["pallas_tpu_interpret", pytest.param("triton", marks=GPU_MARKS)]
+# Ragged attention also has a Pallas Triton kernel: its numbers in the interpreter here, its
+# lowering to Triton below, both on any machine; compiled and run on the GPU.
+ON_CUDA = jax.default_backend() == "gpu"
+CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")]
+ATTENTION_IMPLS = [*IMPLS, "pallas_triton_interpret",
+                   pytest.param("pallas_triton", marks=CUDA_MARKS)]
 
 
 
-def cases(bf16_tolerance: float) -> list:
+def cases(bf16_tolerance: float, pallas_triton: bool = False) -> list:
     """(impl, dtype, tolerance): every kernel in float32 and in bf16 (the engine's dtype,
     float32 accumulation on both sides), against the reference on the same bf16 inputs."""
-    return [("pallas_tpu_interpret", jnp.float32, 2e-5),
-            ("pallas_tpu_interpret", jnp.bfloat16, bf16_tolerance),
-            pytest.param("triton", jnp.float32, 2e-5, marks=GPU_MARKS),
-            pytest.param("triton", jnp.bfloat16, bf16_tolerance, marks=GPU_MARKS)]
+    found = [("pallas_tpu_interpret", jnp.float32, 2e-5),
+             ("pallas_tpu_interpret", jnp.bfloat16, bf16_tolerance),
+             pytest.param("triton", jnp.float32, 2e-5, marks=GPU_MARKS),
+             pytest.param("triton", jnp.bfloat16, bf16_tolerance, marks=GPU_MARKS)]
+    if pallas_triton:
+        found += [("pallas_triton_interpret", jnp.float32, 2e-5),
+                  ("pallas_triton_interpret", jnp.bfloat16, bf16_tolerance),
+                  pytest.param("pallas_triton", jnp.float32, 2e-5, marks=CUDA_MARKS),
+                  pytest.param("pallas_triton", jnp.bfloat16, bf16_tolerance, marks=CUDA_MARKS)]
+    return found
 
 
 @pytest.mark.parametrize(("impl", "dtype", "tolerance"), cases(bf16_tolerance=1e-3))
@@ -55,7 +67,8 @@ def test_importance_kernel_matches_reference(group, head_dim, block, impl, dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("impl", "dtype", "tolerance"), cases(bf16_tolerance=2e-2))
+@pytest.mark.parametrize(("impl", "dtype", "tolerance"),
+                         cases(bf16_tolerance=2e-2, pallas_triton=True))
 @pytest.mark.parametrize(("group", "head_dim", "block"), SHAPES)
 def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl, dtype,
                                                    tolerance):
@@ -83,7 +96,7 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl,
     np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 def test_ragged_attention_kernel_with_no_rows_returns_finite_values(impl):
     cache = jnp.ones((1, 2, 64, 1, 64), jnp.float32)
     q = jnp.ones((4, 2, 64), jnp.float32)
@@ -92,7 +105,7 @@ def test_ragged_attention_kernel_with_no_rows_returns_finite_values(impl):
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 def test_engine_with_kernels_decodes_like_the_xla_path(model, impl):
     prompts = random_prompts(3, 128, 2, 12, seed=3)
     config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
@@ -106,3 +119,25 @@ def test_unknown_kernel_impl_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown impl 'cuda'"):
         focus_importance(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)), jnp.ones((1, 4), bool),
                          impl="cuda")
+
+
+def test_pallas_triton_attention_lowers_to_xlas_triton_call_for_an_h200():
+    """The Pallas Triton kernel at SDAR-8B's attention shapes (32 query heads over 8 KV heads,
+    head dim 128, block 32, bf16) lowers, on any machine, to the Triton custom call XLA compiles
+    itself (which CUDA command buffers can hold), not to jax-triton's."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    from pallas_kernels.ragged_attention import pallas_triton
+
+    rows, slots, positions = 96, 8, 256
+    cache = jax.ShapeDtypeStruct((2, slots, positions, 8, 128), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((rows, 32, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), bool),
+            cache, cache, jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((slots,), jnp.int32))
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    fn = jax.jit(lambda *a: pallas_triton.ragged_attention(*a, block_size=32))
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "triton_kernel_call" not in text
+    assert 'name = "ragged_attention"' in text

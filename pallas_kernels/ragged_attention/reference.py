@@ -39,3 +39,11 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     out = jnp.einsum("skgbm,smkd->sbkgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(flat, h, d)[rows].astype(q.dtype)
+
+
+def slot_runs(rows: Int[Array, "n"], valid: Bool[Array, "n"],
+              slots: int, block_size: int) -> tuple[Int[Array, "s"], Int[Array, "s"]]:
+    """First compacted row and row count of every slot (rows are slot-major)."""
+    slot = jnp.where(valid, rows // block_size, slots)
+    count = jnp.zeros((slots,), jnp.int32).at[slot].add(1, mode="drop")
+    return jnp.cumsum(count) - count, count

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.ragged_attention.reference import slot_runs
+
 # Launch settings measured on the H200 (docs/kernels.md, "Launch settings"; scripts/tune_attention.py):
 # the best of 36 at 256 slots for a quarter and for all of the rows, at 512 and 1,024 cached
 # positions; 1.2x to 1.9x faster than the first choice (128, 64, 4 warps, 2 stages).
@@ -72,14 +74,6 @@ def _kernel(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_offset[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
-
-
-def slot_runs(rows: Int[Array, "n"], valid: Bool[Array, "n"],
-              slots: int, block_size: int) -> tuple[Int[Array, "s"], Int[Array, "s"]]:
-    """First compacted row and row count of every slot (rows are slot-major)."""
-    slot = jnp.where(valid, rows // block_size, slots)
-    count = jnp.zeros((slots,), jnp.int32).at[slot].add(1, mode="drop")
-    return jnp.cumsum(count) - count, count
 
 
 def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
