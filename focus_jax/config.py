@@ -34,7 +34,7 @@ CPU_LADDER = (0.25, 0.5, 0.75, 1.0)
 # step (8 requests in 256 slots) retains fewer rows than the 1/32 bucket's 256. On an H200 at
 # SDAR-8B, 2 requests/s: time between blocks 0.445 -> 0.419 s, first block p50 0.314 -> 0.300 s;
 # the server at saturation 3207.8 tok/s against 3210.5 (docs/serving.md, "Re-measured").
-GPU_LADDER = (1 / 128, 1 / 64) + DEFAULT_LADDER
+GPU_LADDER = (1 / 128, 1 / 64, *DEFAULT_LADDER)
 
 Mode = Literal["baseline", "delayed", "focus"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.ragged_attention.reference import slot_runs
+from pallas_kernels.ragged_attention.reference import gpu_layout
 
 # The jax-triton kernel's launch settings (measured on the H200, triton_gpu.py).
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
@@ -45,14 +45,8 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     (padding rows come back zero). ``interpret``: run in the Pallas interpreter (any platform)."""
     n, h, d = q.shape
     _, slots, positions, kv_heads, _ = k_cache.shape
-    group = h // kv_heads
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        # Casting here would copy the whole cache (every layer) on every call.
-        raise ValueError(f"ragged_attention: cache dtype {k_cache.dtype} differs from the "
-                         f"queries' {q.dtype}")
-    first_row, row_count = slot_runs(rows, valid, slots, block_size)
-    vectors = block_size * group
-    block_m = min(block_m, max(16, pl.next_power_of_2(vectors)))
+    group, first_row, row_count, block_m = gpu_layout(q, rows, valid, k_cache, v_cache,
+                                                      block_size, block_m)
     # Lanes without a row load and store at ``spare``. A masked store writes nothing on the GPU,
     # so row 0 serves there; the interpreter stores masked lanes back (read, select, write), so
     # a lane without a row must not share a row with one that has it: a spare row past the end.
@@ -67,7 +61,7 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     # ``((layer * S + slot) * M + position) * KVH + kv_head``; both reshapes are free.
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((vectors_out, d), q.dtype),
-        grid=(pl.cdiv(vectors, block_m), kv_heads, slots),
+        grid=(pl.cdiv(block_size * group, block_m), kv_heads, slots),
         # The output starts as zeros (the last operand): padding rows are written by no program.
         input_output_aliases={7: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -47,3 +47,20 @@ def slot_runs(rows: Int[Array, "n"], valid: Bool[Array, "n"],
     slot = jnp.where(valid, rows // block_size, slots)
     count = jnp.zeros((slots,), jnp.int32).at[slot].add(1, mode="drop")
     return jnp.cumsum(count) - count, count
+
+
+def gpu_layout(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
+               k_cache: Float[Array, "layers s m kvh d"], v_cache: Float[Array, "layers s m kvh d"],
+               block_size: int, block_m: int) -> tuple[int, Int[Array, "s"], Int[Array, "s"], int]:
+    """What the GPU kernels (grid: query tile, KV head, slot) derive from their arguments: the
+    GQA group, every slot's first compacted row and row count, and the query-tile height (the
+    ``block_size * group`` query vectors of a slot, at most ``block_m`` and at least 16 at a
+    time, a power of two). Raises ``ValueError`` for a cache dtype other than the queries'."""
+    group = q.shape[1] // k_cache.shape[3]
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        # Casting here would copy the whole cache (every layer) on every call.
+        raise ValueError(f"ragged_attention: cache dtype {k_cache.dtype} differs from the "
+                         f"queries' {q.dtype}")
+    first_row, row_count = slot_runs(rows, valid, k_cache.shape[1], block_size)
+    vectors = block_size * group
+    return group, first_row, row_count, min(block_m, max(16, 1 << (vectors - 1).bit_length()))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.ragged_attention.reference import slot_runs
+from pallas_kernels.ragged_attention.reference import gpu_layout
 
 # Launch settings measured on the H200 (docs/kernels.md, "Launch settings"; scripts/tune_attention.py):
 # the best of 36 at 256 slots for a quarter and for all of the rows, at 512 and 1,024 cached
@@ -86,16 +86,11 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`."""
     import jax_triton  # GPU only: imported when the kernel is called
 
-    _, h, d = q.shape
+    d = q.shape[-1]
     _, slots, positions, kv_heads, _ = k_cache.shape
-    group = h // kv_heads
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        # Casting here would copy the whole cache (every layer) on every call.
-        raise ValueError(f"ragged_attention: cache dtype {k_cache.dtype} differs from the "
-                         f"queries' {q.dtype}")
-    first_row, row_count = slot_runs(rows, valid, slots, block_size)
+    group, first_row, row_count, block_m = gpu_layout(q, rows, valid, k_cache, v_cache,
+                                                      block_size, block_m)
     vectors = block_size * group
-    block_m = min(block_m, max(16, triton.next_power_of_2(vectors)))
     precision = "ieee" if q.dtype == jnp.float32 else "tf32"
     return jax_triton.triton_call(
         q, k_cache, v_cache, first_row.astype(jnp.int32),
