@@ -327,7 +327,7 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
                    "peak_flops": peak,
                    "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
-                   "mesh": args.mesh,
+                   "mesh": args.mesh, "kernels": args.kernels,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             yield row, (

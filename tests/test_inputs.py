@@ -175,6 +175,16 @@ def test_bench_prints_a_small_peak_in_significant_digits(model_dir, capsys, monk
     assert code == 0 and "measured bf16 peak 0.042 TFLOP/s" in out
 
 
+def test_bench_hands_its_kernels_and_ladder_to_every_run(model_dir, capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: seen.append(kwargs) or [])
+    code, _, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1,2", "--kernels",
+                          "xla", "--bucket-ladder", "0.5,1"], capsys)
+    assert code == 0 and len(seen) == 2
+    assert all(k["kernels"] == "xla" and k["bucket_ladder"] == (0.5, 1.0) for k in seen)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
