@@ -423,13 +423,15 @@ def _choose_tokens(model: Decoder, sampler, x: Array,
                    rows: RowSampling) -> tuple[Int[Array, "n"], Array]:
     """LM head and sampling for the hidden states ``x`` of ``n`` rows, ``HEAD_CHUNK`` rows at a
     time: float32 logits of a large vocabulary for every row at once would take gigabytes (and
-    several temporaries)."""
+    several temporaries). Fewer rows than a chunk run as they are: padded to a whole chunk, a
+    lightly loaded step's 64-row bucket computed 512 rows of logits."""
     n = x.shape[0]
-    chunks = -(-n // HEAD_CHUNK)
-    pad = chunks * HEAD_CHUNK - n
+    size = min(HEAD_CHUNK, n)
+    chunks = -(-n // size)
+    pad = chunks * size - n
 
     def chunked(a: Array) -> Array:
-        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(chunks, HEAD_CHUNK,
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(chunks, size,
                                                                           *a.shape[1:])
 
     def chunk(x_and_rows):

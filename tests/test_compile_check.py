@@ -128,10 +128,12 @@ def test_bad_options_are_one_line_errors_before_any_compile(tiny_folder, capsys,
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_model_flops_of_a_step_match_what_xla_counts():
+@pytest.mark.parametrize("slots", [64, 8])
+def test_model_flops_of_a_step_match_what_xla_counts(slots):
     """The FLOPs from shapes count the work the compiled step does (XLA's own count, on the CPU
     with the XLA kernels and the layers unrolled; a geometry where matmuls dominate: the rest is
-    elementwise work the model FLOPs leave out)."""
+    elementwise work the model FLOPs leave out). With 8 slots the 64-row bucket is smaller than
+    an LM-head chunk (decoding.HEAD_CHUNK, 512 rows): the head runs those rows alone, unpadded."""
     import dataclasses
 
     import jax
@@ -141,8 +143,8 @@ def test_model_flops_of_a_step_match_what_xla_counts():
 
     model = tiny_model(num_layers=3, hidden_size=256, intermediate_size=1024, num_heads=4,
                        num_kv_heads=2, head_dim=64, vocab_size=512, block_size=8)
-    slots, positions = 64, 32
-    rows = slots * 8  # one LM-head chunk (decoding.HEAD_CHUNK): no padded head rows
+    positions = 32
+    rows = slots * 8
     target = compile_check.make_target(model.config, "v5e:1x1", slots=slots, positions=positions,
                                        generation=GenerationConfig(mode="focus", kernels="xla"))
     settings = dataclasses.replace(compile_check.settings(target, None), processed_ladder=(rows,),
