@@ -293,6 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round,
               "kernels": args.kernels}
     GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
+    _check_kernels(args.kernels)
     rates = _positive_rates(args.request_rate) if args.request_rate else None
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
@@ -455,6 +456,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as err:
         raise ConfigError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose "
                           f"another --port or --host") from None
+    _check_kernels(args.kernels)
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
     model = load_model(args.model, args.dtype, mesh)
     if model.tokenizer is None:
@@ -581,6 +583,16 @@ def _add_kernels_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="attention and importance kernels (default: the platform's; "
                              "pallas_triton: the experimental Pallas Triton attention)")
+
+
+def _check_kernels(kernels: str | None) -> None:
+    """``--kernels`` for this machine's devices, checked before any loading or measuring."""
+    import jax
+
+    from pallas_kernels.dispatch import unusable
+
+    if kernels is not None and (why := unusable(kernels, jax.default_backend())):
+        raise ConfigError(f"--kernels: {why}")
 
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:

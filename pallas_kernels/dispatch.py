@@ -19,6 +19,22 @@ PLATFORM_DEFAULT = {
 reference. GPU defaults are what measured fastest on the H200 (docs/kernels.md)."""
 
 
+RUNS_ON = {"xla": None, "pallas_tpu_interpret": None, "pallas_triton_interpret": None,
+           "pallas_tpu": "tpu", "triton": "gpu", "pallas_triton": "gpu"}
+"""Every implementation name, and the one platform it compiles for (None: any)."""
+
+
+def unusable(impl: str, platform: str) -> str | None:
+    """Why implementation ``impl`` cannot run on devices of ``platform`` (None: it can)."""
+    if impl not in RUNS_ON:
+        return f"unknown kernels {impl!r}: choose from {', '.join(RUNS_ON)}"
+    needs = RUNS_ON[impl]
+    if needs is not None and needs != platform:
+        return (f"kernels {impl!r} run only on {needs.upper()}s, not on this {platform.upper()} "
+                f"(xla runs anywhere)")
+    return None
+
+
 @functools.cache
 def _jax_triton_installed() -> bool:
     return importlib.util.find_spec("jax_triton") is not None

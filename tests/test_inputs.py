@@ -152,6 +152,8 @@ def test_prompts_file_that_is_a_folder_or_not_utf8_is_named(tmp_path, capsys):
     (["bench", "--batches", "0"], ["--batches '0'"]),
     (["bench", "--batches", "8,many"], ["--batches '8,many'"]),
     (["bench", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["bench", "--kernels", "triton"], ["--kernels", "'triton' run only on GPUs", "CPU"]),
+    (["serve", "--kernels", "pallas_triton"], ["--kernels", "only on GPUs"]),
     (["demo", "--max-new-tokens", "0"], ["max_new_tokens"]),
 ])
 def test_bad_options_are_one_line_errors_before_any_model_loads(argv, needles, capsys,
@@ -173,6 +175,19 @@ def test_bench_prints_a_small_peak_in_significant_digits(model_dir, capsys, monk
     monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])
     code, out, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1"], capsys)
     assert code == 0 and "measured bf16 peak 0.042 TFLOP/s" in out
+
+
+@pytest.mark.parametrize(("kernels", "message"), [
+    ("triton", "'triton' run only on GPUs, not on this CPU"),
+    ("pallas_tpu", "run only on TPUs"),
+    ("cuda", "unknown kernels 'cuda'"),
+])
+def test_an_engine_refuses_kernels_its_devices_cannot_run(model, kernels, message):
+    with pytest.raises(ConfigError, match=message):
+        Engine(model, GenerationConfig(kernels=kernels, block_size=4), slots=2, cache_len=64)
+    # Those that run anywhere are taken.
+    Engine(model, GenerationConfig(kernels="pallas_triton_interpret", block_size=4), slots=2,
+           cache_len=64)
 
 
 def test_bench_hands_its_kernels_and_ladder_to_every_run(model_dir, capsys, monkeypatch):

@@ -29,6 +29,7 @@ from focus_jax.engine.scheduler import Request, Scheduler
 from focus_jax.model import Model
 from focus_jax.policies import Policies
 from focus_jax.prompts import token_ids
+from pallas_kernels.dispatch import unusable
 
 
 class Engine:
@@ -229,6 +230,8 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
     ``slots`` slots of ``platform`` devices: the policies of its mode, the bucket ladders (the
     platform's default unless ``config`` names one), the kernels."""
     block = config.block_size
+    if config.kernels is not None and (why := unusable(config.kernels, platform)):
+        raise ConfigError(why)
     # Each data shard compacts its own slots' rows (decoding.step).
     data_shards = mesh.shape["data"] if mesh is not None else 1
     ladder = bucket_ladder(slots // data_shards * block, config.ladder_for(platform))
