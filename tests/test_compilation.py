@@ -234,3 +234,21 @@ def test_settings_beyond_the_cap_release_their_compiled_programs(model, monkeypa
     six = live_after([1.03, 1.04, 1.05, 1.06])
     assert six <= two, (two, six)
     assert len(compilation.PROGRAMS) == 2
+
+
+def test_the_bucket_ladder_does_not_change_the_bundled_models_tokens():
+    """Buckets pad the same rows to other sizes: on the CPU the bundled model's answers are the
+    same token for token with one bucket, the CPU ladder's four and eight (docs/startup.md)."""
+    import focus_jax
+    from focus_jax import tasks
+    from focus_jax.cli import BUNDLED_MODEL
+
+    model = focus_jax.load(BUNDLED_MODEL)
+    questions = [e.question for e in tasks.held_out(2, tasks=tasks.WORKED)[:8]]
+    answers = {}
+    for ladder in [(1.0,), (0.25, 0.5, 0.75, 1.0), tuple(k / 8 for k in range(1, 9))]:
+        config = GenerationConfig(mode="focus", max_new_tokens=64, bucket_ladder=ladder)
+        answers[ladder] = [r.token_ids for r in focus_jax.generate(model, questions, config)]
+    first, *others = answers.values()
+    assert all(len(ids) > 0 for ids in first)
+    assert all(other == first for other in others)
