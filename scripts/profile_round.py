@@ -126,16 +126,21 @@ def main() -> None:
         compiled = engine.lower_round().compile()
         sources = op_sources(compiled.as_text())
         busy = sum(t for t, _ in totals.values())
+        # Device launches per step: a captured CUDA command buffer counts once, however many
+        # kernels it holds (ops named command_buffer_*).
+        launches = sum(c for _, c in totals.values())
+        graphs = sum(c for op, (_, c) in totals.items() if "command_buffer" in op)
         print(f"\n== {name} batch {args.batch} ({len(prompts)} requests) {mode}: {steps} steps, "
               f"wall {wall:.2f} s "
               f"({1000 * wall / steps:.2f} ms/step), kernels {busy:.0f} ms "
-              f"({busy / steps:.2f} ms/step), kernel span {span:.0f} ms")
+              f"({busy / steps:.2f} ms/step), kernel span {span:.0f} ms, "
+              f"{launches / steps:.0f} launches/step ({graphs / steps:.0f} command buffers)")
         rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
         for op, (ms, count) in rows[:args.top]:
             print(f"{ms / steps:9.3f} ms/step {100 * ms / busy:5.1f}% {count:7d}x  {op[:48]:48s} "
                   f"{sources.get(op, '')[:110]}")
         summary = {"mode": mode, "steps": steps, "wall_s": wall, "kernel_ms": busy,
-                   "span_ms": span,
+                   "span_ms": span, "launches": launches, "command_buffers": graphs,
                    "ops": [{"op": n, "ms": ms, "count": c, "source": sources.get(n, "")}
                            for n, (ms, c) in rows]}
         (out / f"summary_{mode}.json").write_text(json.dumps(summary, indent=1))
