@@ -576,11 +576,12 @@ def _add_eval_command(sub: argparse._SubParsersAction) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
-KERNELS = ("xla", "triton", "pallas_triton", "pallas_tpu")
-
-
 def _add_kernels_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kernels", choices=KERNELS, default=None,
+    from pallas_kernels.dispatch import RUNS_ON
+
+    # The interpreter variants are for tests, not for runs.
+    kernels = [name for name in RUNS_ON if not name.endswith("_interpret")]
+    parser.add_argument("--kernels", choices=kernels, default=None,
                         help="attention and importance kernels (default: the platform's; "
                              "pallas_triton: the experimental Pallas Triton attention)")
 

@@ -73,11 +73,12 @@ def implementations(package: str, function: str) -> dict[str, Callable[..., Any]
 
 
 def choose(op: str, impls: Mapping[str, Callable[..., Any]], impl: str | None) -> Callable[..., Any]:
-    """The implementation named ``impl``, or the platform's default one."""
+    """The implementation named ``impl``, or the platform's default one (also for a known
+    implementation name this op has no kernel of)."""
     name = impl or default_impl(op)
-    if name.startswith("pallas_triton") and name not in impls:
-        # Ops without a Pallas Triton kernel (FOCUS importance) run their platform's default
-        # beside one that has it: kernels="pallas_triton" names the attention kernel.
+    if name in RUNS_ON and name not in impls:
+        # A known implementation this op has no kernel of (FOCUS importance has no Pallas Triton
+        # one): the op runs its platform's default beside the ops that have it.
         name = default_impl(op)
     if name not in impls:
         raise ValueError(f"{op}: unknown impl {name!r}; choose from {sorted(impls)}")
