@@ -60,6 +60,11 @@ class Compaction:
         self.ladder = tuple(ladder)
         self.index = bucket_index(self.count, self.ladder)
 
+    @property
+    def size(self) -> Int[Array, ""]:
+        """Rows of the chosen bucket."""
+        return jnp.asarray(self.ladder, jnp.int32)[self.index]
+
     def to_flat(self, compact_order: Array) -> Array:
         """An array in compact order, back in the flat order of the axis."""
         return compact_order[self.inverse]

@@ -136,7 +136,9 @@ class StepLog:
     live: Bool[Array, "s"]
     """The slot took part (a denoising or a commit step)."""
     processed_bucket: Int[Array, ""]
+    """Rows of the processed tokens' bucket."""
     retained_bucket: Int[Array, ""]
+    """Rows of the retained tokens' bucket."""
 
 
 def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
@@ -303,8 +305,8 @@ def _step(model: Decoder, state: DecodeState,
         cache=cache,
     )
     log = StepLog(processed=processed, retained=retained, decoded=chosen, sampled=candidates,
-                  live=decoding | committing, processed_bucket=processed_rows.index,
-                  retained_bucket=retained_rows.index)
+                  live=decoding | committing, processed_bucket=processed_rows.size,
+                  retained_bucket=retained_rows.size)
     return state, log
 
 

@@ -73,13 +73,12 @@ class Engine:
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
                                         slots, devices[0].platform, mesh)
-        ladder = self.settings.processed_ladder
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or default_prefill_batch(slots),
                              steps_per_round=config.steps_per_round, mesh=mesh)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block)
-        self.output = OutputProcessor(model.tokenizer if detokenize else None, ladder, ladder)
+        self.output = OutputProcessor(model.tokenizer if detokenize else None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []
         """Outputs decided outside a step (aborts of waiting requests), returned by the next."""

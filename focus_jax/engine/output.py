@@ -151,10 +151,8 @@ class OutputProcessor:
     decoded whole each time it grows, so multi-byte characters split over blocks come out whole.
     """
 
-    def __init__(self, tokenizer: Any | None, processed_ladder: tuple[int, ...],
-                 retained_ladder: tuple[int, ...]):
+    def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
-        self.processed_ladder, self.retained_ladder = processed_ladder, retained_ladder
         self.stats = RunStats()
 
     def record_round(self, copy: RoundCopy, requests: dict[int, Any]) -> None:
@@ -171,8 +169,8 @@ class OutputProcessor:
         stats.retained_tokens += int(retained.sum())
         stats.decoded_tokens += int(decoded.sum())
         stats.sampled_tokens += int(logs.sampled[:steps].sum())
-        stats.processed_buckets.update(self.processed_ladder[i] for i in logs.processed_bucket[:steps])
-        stats.retained_buckets.update(self.retained_ladder[i] for i in logs.retained_bucket[:steps])
+        stats.processed_buckets.update(logs.processed_bucket[:steps].tolist())
+        stats.retained_buckets.update(logs.retained_bucket[:steps].tolist())
         for slot, request in requests.items():
             took_part = logs.live[:steps, slot]
             denoising = took_part & (decoded[:, slot] > 0)
