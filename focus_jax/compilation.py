@@ -11,11 +11,14 @@ freed once no engine holds it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import math
 import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
@@ -127,6 +130,107 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
 
     key = ("round", platform, graphdef, settings, max_steps, slots, cache_len)
     return PROGRAMS.get(key, make)
+
+
+# ------------------------------------------------------------------------- background compilation
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="focus_jax_compile")
+"""One thread: a background compile takes the cores XLA's compiler would use anyway. Python
+waits for a running compile at exit (its program then reaches the persistent cache)."""
+_BACKGROUND: weakref.WeakKeyDictionary[Callable, dict] = weakref.WeakKeyDictionary()
+"""Background compiles, running or done, by program (held weakly: a program released from
+:data:`PROGRAMS` takes its executables with it) and argument shapes."""
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def _shape(leaf: object) -> object:
+    """An argument's stand-in for lowering, as ``jax.jit`` would see it (an uncommitted array
+    given a sharding, or a weak type lost, would make another program)."""
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type,
+                                    sharding=leaf.sharding if leaf.committed else None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") else leaf
+
+
+def compile_in_background(program: Callable, *args: object,
+                          remember_as: tuple = ()) -> concurrent.futures.Future:
+    """Compile the jitted ``program`` for arguments shaped like ``args`` in a background
+    thread. Once the future is done, calling ``program`` with such arguments compiles nothing
+    (``jax.jit`` keeps the executable). A program already compiled or compiling for these
+    shapes is not compiled again: its future is returned. With ``remember_as`` (and the
+    persistent cache on), :func:`compiled_before` is true for it in later processes."""
+    shapes = jax.tree.map(_shape, args)
+    leaves, tree = jax.tree.flatten(shapes)
+    key = (tree, tuple(leaves))
+    marker = _marker(remember_as, shapes) if remember_as else None
+
+    def compile_program() -> None:
+        program.lower(*shapes).compile()
+        _touch(marker)
+
+    with _BACKGROUND_LOCK:
+        compiles = _BACKGROUND.setdefault(program, {})
+        if key not in compiles:
+            compiles[key] = _COMPILER.submit(compile_program)
+        return compiles[key]
+
+
+def note_compiled(program: Callable, *args: object, remember_as: tuple = ()) -> None:
+    """Record that ``program`` was compiled (in the foreground) for arguments shaped like
+    ``args``, as a finished background compile would be."""
+    shapes = jax.tree.map(_shape, args)
+    leaves, tree = jax.tree.flatten(shapes)
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    with _BACKGROUND_LOCK:
+        _BACKGROUND.setdefault(program, {}).setdefault((tree, tuple(leaves)), done)
+    _touch(_marker(remember_as, shapes) if remember_as else None)
+
+
+def _touch(marker: Path | None) -> None:
+    if marker is not None and jax.process_index() == 0:  # the process that writes the cache
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
+def compiled_before(program: Callable, *args: object, remember_as: tuple = ()) -> bool:
+    """Whether ``program`` was compiled for arguments shaped like ``args`` in this process
+    (:func:`compile_in_background` finished, or :func:`note_compiled`), or, named by
+    ``remember_as``, in an earlier one with the same persistent cache folder: it is then most
+    likely a cache read. (JAX may have dropped the entry since, past the cache's size limit;
+    the program is then compiled again, which costs time, not tokens.)"""
+    shapes = jax.tree.map(_shape, args)
+    leaves, tree = jax.tree.flatten(shapes)
+    with _BACKGROUND_LOCK:
+        future = _BACKGROUND.get(program, {}).get((tree, tuple(leaves)))
+    if future is not None and future.done() and future.exception() is None:
+        return True
+    marker = _marker(remember_as, shapes) if remember_as else None
+    return marker is not None and marker.exists()
+
+
+def _marker(remember_as: tuple, shapes: object) -> Path | None:
+    """A file in the persistent cache folder that stands for a program compiled there."""
+    folder = persistent_cache_folder()
+    if folder is None:
+        return None
+    described = repr((jax.__version__, jax.devices()[0].device_kind, remember_as, shapes))
+    return folder / "focus_jax_compiled" / hashlib.sha256(described.encode()).hexdigest()[:40]
+
+
+def _background_futures() -> list[concurrent.futures.Future]:
+    with _BACKGROUND_LOCK:
+        return [f for compiles in _BACKGROUND.values() for f in compiles.values()]
+
+
+def background_compiles_running() -> int:
+    """Background compiles not yet finished."""
+    return sum(not future.done() for future in _background_futures())
+
+
+def wait_for_background_compiles() -> None:
+    """Block until every background compile has finished (their errors are their callers')."""
+    concurrent.futures.wait(_background_futures())
 
 
 release_program = jax.jit(decoding.release, donate_argnums=(0,))

@@ -1,6 +1,7 @@
 """Time to a newcomer's first answers, and what each bucket ladder costs on this machine.
 
-1. ``focus-jax generate`` (one prompt, bundled model) per bucket ladder, in a process with an
+1. ``focus-jax generate`` (one prompt, bundled model) per bucket ladder, with its default lazy
+   warm-up and with ``--full-warmup``, in a process with an
    empty persistent compilation cache and no bytecode of the project (as in a fresh clone), then
    again with the cache it left; ``make demo`` the same two ways. Each run is a fresh
    process, as on the command line: its wall time, its CPU time (user + system, all threads:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -28,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -58,16 +61,30 @@ def children_cpu_seconds() -> float:
 
 def timed(command: list[str], cache: Path) -> dict:
     """Run ``command`` in a fresh process with its persistent cache in ``cache``: wall and CPU
-    time, the load average before and after, and what its output says."""
+    time, when its standard output began and when it last wrote there (the answer streamed and
+    complete; a lazy warm-up's background compile may still run after), the load average before
+    and after, and what its output says."""
     env = {**os.environ, "FOCUS_JAX_CACHE_DIR": str(cache)}
     load_before, cpu_before = os.getloadavg()[0], children_cpu_seconds()
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               cwd=ROOT)
+    stderr: list[bytes] = []
+    reader = threading.Thread(target=lambda: stderr.append(process.stderr.read()))
+    reader.start()
+    stdout, stamps = b"", []
+    while chunk := process.stdout.read1(65536):
+        stdout += chunk
+        stamps.append(time.perf_counter() - start)
+    process.wait()
+    reader.join()
     wall = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
-    output = done.stderr + done.stdout
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{stderr[0].decode()}")
+    output = stderr[0].decode() + stdout.decode()
     row = {"wall_seconds": round(wall, 2),
+           "first_output_seconds": round(stamps[0], 2) if stamps else None,
+           "output_done_seconds": round(stamps[-1], 2) if stamps else None,
            "cpu_seconds": round(children_cpu_seconds() - cpu_before, 2),
            "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
     if match := COMPILATION.search(output):
@@ -138,6 +155,9 @@ def main() -> None:
                         help=f"comma-separated names among {list(LADDERS)}")
     parser.add_argument("--skip-cli", action="store_true", help="no generate/demo processes")
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--warmups", default="lazy,full",
+                        help="generate's warm-ups to time: lazy (the default), full "
+                             "(--full-warmup), or both")
     parser.add_argument("--batch", type=int, default=0,
                         help="also compare the ladders at this many slots (0: no)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -152,12 +172,15 @@ def main() -> None:
                                  capture_output=True, text=True).stdout.strip()}
     if not args.skip_cli:
         report["generate"] = {}
-        for name in names:
+        for name, warmup in itertools.product(names, args.warmups.split(",")):
             command = [str(FOCUS_JAX), "generate", "--prompt", PROMPT, "--stats"]
             if LADDERS[name] is not None:
                 command += ["--bucket-ladder", ",".join(f"{f:g}" for f in LADDERS[name])]
-            report["generate"][name] = fresh_and_again(command)
-            print(name, json.dumps(report["generate"][name]), flush=True)
+            if warmup == "full":
+                command.append("--full-warmup")
+            key = name if warmup == "lazy" else f"{name} (full warm-up)"
+            report["generate"][key] = fresh_and_again(command)
+            print(key, json.dumps(report["generate"][key]), flush=True)
         if not args.skip_demo:
             report["demo"] = fresh_and_again(["make", "-s", "demo"])
             print("demo", json.dumps(report["demo"]), flush=True)

@@ -3,11 +3,12 @@ programs (prefill into slots, release of slots, the decode round) and nothing el
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -86,11 +87,12 @@ class Runner:
             # Slots (and the cache) over "data", heads and MLP over "model": each data shard
             # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
             model = dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
-            self.state = jax.jit(make_state,
-                                 out_shardings=sharding.state_sharding(shapes, mesh))()
+            placed = sharding.state_sharding(shapes, mesh)
         else:
-            self.state = jax.jit(make_state,
-                                 out_shardings=SingleDeviceSharding(devices[0]))()
+            placed = SingleDeviceSharding(devices[0])
+        self.state = compilation.PROGRAMS.get(
+            ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, placed),
+            lambda: jax.jit(make_state, out_shardings=placed))()
         self.model = model
         platform = devices[0].platform
         self._prefill = compilation.prefill_program(platform, model.graphdef, settings, slots,
@@ -98,6 +100,10 @@ class Runner:
         self._round = compilation.decode_round_program(platform, model.graphdef, settings,
                                                        steps_per_round, slots, cache_len)
         self._release = compilation.release_program
+        self._platform = platform
+        self._starter_round: Callable | None = None
+        """After a lazy warm-up, the round run until the full one has compiled."""
+        self._compiling: concurrent.futures.Future | None = None
 
     def prompt_bucket(self, length: int) -> int:
         """The padded length a prompt of ``length`` tokens is prefilled at."""
@@ -138,13 +144,27 @@ class Runner:
         """Run a round of at most ``steps`` steps (default and cap: ``steps_per_round``; until
         every slot is idle, or, with ``stop_on_finish``, the first finished request) and copy
         its results to the host."""
-        self.state, logs, ran = self._round(*self._round_args(stop_on_finish, steps))
+        self.state, logs, ran = self._round_program()(*self._round_args(stop_on_finish, steps))
         # One transfer per round: the step logs and slot progress. (On GPUs the call above may
         # already have waited: XLA reads a while loop's condition each step.)
         state = self.state
         logs, ran, *slots = to_host((logs, ran, state.live, state.out_len, state.history,
                                      state.sequence))
         return RoundCopy(logs, int(ran), *slots)
+
+    def _round_program(self) -> Callable:
+        """The full decode round, or the whole-block-only one while the full one compiles."""
+        if self._compiling is not None:
+            if not self._compiling.done():
+                return self._starter_round
+            compiling, self._compiling = self._compiling, None
+            compiling.result()  # its compile error, if any, is this round's
+        return self._round
+
+    @property
+    def full_round_ready(self) -> bool:
+        """Rounds run the full bucket ladder (no background compile is pending)."""
+        return self._compiling is None or self._compiling.done()
 
     def _round_args(self, stop_on_finish: bool, steps: int | None = None) -> tuple:
         """The decode round's arguments (the step limit a run-time value: one program)."""
@@ -156,11 +176,29 @@ class Runner:
         compiled program: memory, HLO, cost)."""
         return self._round.lower(*self._round_args(False))
 
-    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, *, lazy: bool = False) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
         release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket (or
         at the buckets of ``prompt_lengths`` when they are known). Runs them on padding only:
-        nothing changes."""
+        nothing changes.
+
+        ``lazy``: unless the full round was compiled before (in this process, or into the
+        persistent cache by an earlier one), the decode round is compiled with the whole-block
+        bucket only (every step fits it, and the ladder does not change tokens), and the full
+        ladder's round then compiles in a background thread; rounds switch to it once it is
+        ready. On a 2-core CPU the whole-block round compiles in about half the time of the CPU
+        ladder's four buckets (docs/startup.md). One process only: the processes of a
+        multi-process run must run the same program at every round."""
+        args = self._round_args(False)
+        remember_as = ("decode round", repr(self.model.config), repr(self.settings),
+                       self.steps_per_round)
+        several_buckets = len(self.settings.processed_ladder + self.settings.retained_ladder) > 2
+        lazy = (lazy and several_buckets and jax.process_count() == 1
+                and not compilation.compiled_before(self._round, *args, remember_as=remember_as))
+        if lazy:
+            self._starter_round = compilation.decode_round_program(
+                self._platform, self.model.graphdef, whole_block_only(self.settings),
+                self.steps_per_round, self.slots, self.cache_len)
         buckets = prompt_buckets(self.settings.block_size, self.cache_len)
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
@@ -169,8 +207,22 @@ class Runner:
             self._run_prefill(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                               np.full((n,), self.slots, np.int32), slot_params_rows([], n))
         self.release([])
-        self.state, _, _ = self._round(*self._round_args(False))
+        round_program = self._starter_round if lazy else self._round
+        self.state, _, _ = round_program(*self._round_args(False))
         jax.block_until_ready(self.state)
+        if lazy:  # after the starter: on two cores, compiling both at once delays the first
+            self._compiling = compilation.compile_in_background(
+                self._round, *self._round_args(False), remember_as=remember_as)
+        else:
+            compilation.note_compiled(self._round, *self._round_args(False),
+                                      remember_as=remember_as)
+
+
+def whole_block_only(settings: decoding.DecodeSettings) -> decoding.DecodeSettings:
+    """``settings`` with one bucket per compaction, the whole block of every slot: the decode
+    round that compiles fastest (its tokens are those of any ladder)."""
+    return dataclasses.replace(settings, processed_ladder=settings.processed_ladder[-1:],
+                               retained_ladder=settings.retained_ladder[-1:])
 
 
 def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
