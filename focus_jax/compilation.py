@@ -1,5 +1,6 @@
 """Compiled programs: the engine's jitted prefill and decode round, kept per setting in a bounded
-cache, and JAX's persistent compilation cache, which keeps compiled programs between processes.
+cache; compiles in a background thread (a lazy warm-up's full decode round); and JAX's
+persistent compilation cache, which keeps compiled programs between processes.
 
 ``jax.jit`` with static arguments keeps every combination it has seen, with its executables, for
 the life of the process (37 MiB of RSS per decode-round setting of the bundled model with the
@@ -152,6 +153,13 @@ def _shape(leaf: object) -> object:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") else leaf
 
 
+def _shapes(args: tuple) -> tuple[object, Hashable]:
+    """The arguments' stand-ins, and a key for them."""
+    shapes = jax.tree.map(_shape, args)
+    leaves, tree = jax.tree.flatten(shapes)
+    return shapes, (tree, tuple(leaves))
+
+
 def compile_in_background(program: Callable, *args: object,
                           remember_as: tuple = ()) -> concurrent.futures.Future:
     """Compile the jitted ``program`` for arguments shaped like ``args`` in a background
@@ -159,9 +167,7 @@ def compile_in_background(program: Callable, *args: object,
     (``jax.jit`` keeps the executable). A program already compiled or compiling for these
     shapes is not compiled again: its future is returned. With ``remember_as`` (and the
     persistent cache on), :func:`compiled_before` is true for it in later processes."""
-    shapes = jax.tree.map(_shape, args)
-    leaves, tree = jax.tree.flatten(shapes)
-    key = (tree, tuple(leaves))
+    shapes, key = _shapes(args)
     marker = _marker(remember_as, shapes) if remember_as else None
 
     def compile_program() -> None:
@@ -178,12 +184,11 @@ def compile_in_background(program: Callable, *args: object,
 def note_compiled(program: Callable, *args: object, remember_as: tuple = ()) -> None:
     """Record that ``program`` was compiled (in the foreground) for arguments shaped like
     ``args``, as a finished background compile would be."""
-    shapes = jax.tree.map(_shape, args)
-    leaves, tree = jax.tree.flatten(shapes)
+    shapes, key = _shapes(args)
     done = concurrent.futures.Future()
     done.set_result(None)
     with _BACKGROUND_LOCK:
-        _BACKGROUND.setdefault(program, {}).setdefault((tree, tuple(leaves)), done)
+        _BACKGROUND.setdefault(program, {}).setdefault(key, done)
     _touch(_marker(remember_as, shapes) if remember_as else None)
 
 
@@ -199,10 +204,9 @@ def compiled_before(program: Callable, *args: object, remember_as: tuple = ()) -
     ``remember_as``, in an earlier one with the same persistent cache folder: it is then most
     likely a cache read. (JAX may have dropped the entry since, past the cache's size limit;
     the program is then compiled again, which costs time, not tokens.)"""
-    shapes = jax.tree.map(_shape, args)
-    leaves, tree = jax.tree.flatten(shapes)
+    shapes, key = _shapes(args)
     with _BACKGROUND_LOCK:
-        future = _BACKGROUND.get(program, {}).get((tree, tuple(leaves)))
+        future = _BACKGROUND.get(program, {}).get(key)
     if future is not None and future.done() and future.exception() is None:
         return True
     marker = _marker(remember_as, shapes) if remember_as else None
