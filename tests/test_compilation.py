@@ -184,19 +184,21 @@ def test_second_generate_with_the_persistent_cache_compiles_nothing_new(model, t
                "--bucket-ladder", "0.5,1", "--stats"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "FOCUS_JAX_CACHE_DIR": str(folder)}
     counts, answers = [], []
-    for _ in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    for extra in ([], [], ["--full-warmup"]):
+        done = subprocess.run(command + extra, capture_output=True, text=True, timeout=600,
+                              env=env)
         assert done.returncode == 0, done.stderr
         line = re.search(r"compilation: (\d+) programs compiled, (\d+) read from the "
                          r"persistent cache (\S+),", done.stderr)
         assert line and line[3] == str(folder), done.stderr
         counts.append((int(line[1]), int(line[2])))
         answers.append(done.stdout)
-    (compiled, read), (compiled_again, read_again) = counts
+    (compiled, read), (compiled_again, read_again), (compiled_full, read_full) = counts
     # The prefill and the decode round at least, compiled the first time and read back after.
     assert compiled >= 2 and read == 0 and any(folder.iterdir())
     assert compiled_again == 0 and read_again >= 2
-    assert answers[1] == answers[0]
+    assert (compiled_full, read_full) == (0, read_again)  # --full-warmup: the same programs
+    assert answers[2] == answers[1] == answers[0]
     # The first run compiled the full decode round in the background (a lazy warm-up) and
     # waited for it before exiting; the second knew it was there and warmed up fully.
     assert len(list((folder / "focus_jax_compiled").iterdir())) == 1
