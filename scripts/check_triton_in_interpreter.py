@@ -45,7 +45,7 @@ def main() -> None:
     want = np.asarray(reference.ragged_attention(*map(jnp.asarray, (q, rows, valid, k, v)), layer,
                                                  jnp.asarray(kv_len), block_size=block))
     group, first_row, row_count, block_m = reference.gpu_layout(
-        *map(jnp.asarray, (q, rows, valid, k, v)), block, triton_gpu.BLOCK_M)
+        *map(jnp.asarray, (q, rows, valid, k, v)), block, reference.BLOCK_M)
 
     def tensor(a) -> torch.Tensor:
         return torch.from_numpy(np.array(a))

@@ -27,10 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.ragged_attention.reference import gpu_layout
+from pallas_kernels.ragged_attention.reference import BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS, gpu_layout
 
-# The jax-triton kernel's launch settings (measured on the H200, triton_gpu.py).
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
 NEG_INF = -1e30
 
 

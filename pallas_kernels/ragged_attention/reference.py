@@ -41,6 +41,13 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     return out.reshape(flat, h, d)[rows].astype(q.dtype)
 
 
+# The GPU kernels' launch settings, measured on the H200 for the jax-triton kernel (docs/kernels.md,
+# "Launch settings"; scripts/tune_attention.py): the best of 36 at 256 slots for a quarter and for
+# all of the rows, at 512 and 1,024 cached positions; 1.2x to 1.9x faster than the first choice
+# (128, 64, 4 warps, 2 stages). The Pallas Triton kernel starts from them.
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
+
+
 def slot_runs(rows: Int[Array, "n"], valid: Bool[Array, "n"],
               slots: int, block_size: int) -> tuple[Int[Array, "s"], Int[Array, "s"]]:
     """First compacted row and row count of every slot (rows are slot-major)."""

@@ -21,12 +21,15 @@ import triton
 import triton.language as tl
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.ragged_attention.reference import auto_kv_splits, gpu_layout, merge_splits
-
-# Launch settings measured on the H200 (docs/kernels.md, "Launch settings"; scripts/tune_attention.py):
-# the best of 36 at 256 slots for a quarter and for all of the rows, at 512 and 1,024 cached
-# positions; 1.2x to 1.9x faster than the first choice (128, 64, 4 warps, 2 stages).
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
+from pallas_kernels.ragged_attention.reference import (
+    BLOCK_M,
+    BLOCK_N,
+    NUM_STAGES,
+    NUM_WARPS,
+    auto_kv_splits,
+    gpu_layout,
+    merge_splits,
+)
 
 
 @triton.jit
