@@ -210,12 +210,12 @@ class Runner:
         round_program = self._starter_round if lazy else self._round
         self.state, _, _ = round_program(*self._round_args(False))
         jax.block_until_ready(self.state)
+        args = self._round_args(False)  # the state was replaced (donated) by the round
         if lazy:  # after the starter: on two cores, compiling both at once delays the first
-            self._compiling = compilation.compile_in_background(
-                self._round, *self._round_args(False), remember_as=remember_as)
+            self._compiling = compilation.compile_in_background(self._round, *args,
+                                                                remember_as=remember_as)
         else:
-            compilation.note_compiled(self._round, *self._round_args(False),
-                                      remember_as=remember_as)
+            compilation.note_compiled(self._round, *args, remember_as=remember_as)
 
 
 def whole_block_only(settings: decoding.DecodeSettings) -> decoding.DecodeSettings:
