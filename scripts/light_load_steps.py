@@ -1,0 +1,132 @@
+"""Where a lightly loaded engine's step time goes: device rounds alone against whole engine steps.
+
+    python scripts/light_load_steps.py --geometry sdar-8b --batch 256 --requests 8
+
+A few requests in many slots (a server below saturation). After a warm-up, it times:
+
+- ``device``: decode rounds of 1, 4 and ``--round-steps`` steps called back to back, the state
+  kept on the device (only the step count read back, after each round or, ``unsynced``, at the
+  end), and single steps as programs of their own (no ``while_loop``, so no loop condition read
+  back per step): the device's step time, launches and syncs included;
+- ``engine``: ``Engine.step`` rounds of 4 steps and of ``steps_per_round`` steps (what the engine
+  runs while a slot is free and nothing waits, and otherwise): the device time plus the copy of
+  each round's results and the host's work on them.
+
+Writes one JSON object (``--json``) with ms per step for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from focus_jax import bench, compilation, decoding
+from focus_jax.config import GenerationConfig
+from focus_jax.engine import Engine, SamplingParams, run_to_completion
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--geometry", default="sdar-8b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--cache-len", type=int, default=1536)
+    parser.add_argument("--mode", default="focus")
+    parser.add_argument("--kernels", default=None)
+    parser.add_argument("--round-steps", type=int, default=16)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    model = bench.random_model(args.geometry)
+    lengths = bench.prompt_lengths(args.requests)
+    prompts = bench.random_prompts(model.config, lengths, seed=1)
+    config = GenerationConfig(mode=args.mode, block_size=model.config.block_size or 32,
+                              max_new_tokens=args.max_new_tokens, stop_token_ids=(),
+                              kernels=args.kernels)
+    engine = Engine(model, config, slots=args.batch, cache_len=args.cache_len)
+    engine.warmup()
+    result = {"geometry": args.geometry, "batch": args.batch, "requests": args.requests,
+              "mode": args.mode, "kernels": args.kernels, "device": jax.devices()[0].device_kind}
+
+    # Device rounds alone: the requests admitted and prefilled, then rounds back to back (long
+    # requests: none finishes during these).
+    long = SamplingParams(max_new_tokens=args.cache_len - max(lengths) - 32)
+    for prompt in prompts:
+        engine.add_request(prompt, long)
+    engine.step()  # admits, prefills, runs a first round
+    runner = engine.runner
+    program = runner._round_program()
+
+    def timed(label: str, call, count: int, sync_each: bool) -> None:
+        """``call()`` ``count`` times (it returns the steps it ran, as a device scalar); ms per
+        step, reading the step count back after each call or only at the end."""
+        jax.block_until_ready(runner.state)
+        ran, start = [], time.perf_counter()
+        for _ in range(count):
+            ran.append(call())
+            if sync_each:
+                ran[-1] = int(ran[-1])
+        steps = sum(int(r) for r in ran)
+        result[label] = 1e3 * (time.perf_counter() - start) / steps
+        print(f"{label}: {result[label]:.2f}", flush=True)
+
+    def round_of(steps: int):
+        def call():
+            runner.state, _, ran = program(*runner._round_args(False, steps))
+            return ran
+        return call
+
+    for steps, sync in ((1, True), (4, True), (4, False), (args.round_steps, True)):
+        timed(f"device_rounds_of_{steps}{'' if sync else '_unsynced'}_ms_per_step",
+              round_of(steps), 48 // steps, sync)
+    # One step per program call, no while loop: no condition read back per step.
+    graphdef, settings = runner.model.graphdef, runner.settings
+    one_step = jax.jit(lambda params, state: decoding.step(nnx.merge(graphdef, params), state,
+                                                           settings)[0],
+                       donate_argnums=(1,), compiler_options=compilation.GPU_COMPILER_OPTIONS)
+
+    def step_call():
+        runner.state = one_step(runner.model.params, runner.state)
+        return 1
+
+    step_call()  # compiles
+    timed("device_single_step_programs_ms_per_step", step_call, 48, False)
+    # The same rounds, each followed by the engine's copy of its results to the host.
+    steps, start = 0, time.perf_counter()
+    for _ in range(6):
+        steps += runner.decode_round(False, args.round_steps).steps
+    result["device_and_copy_ms_per_step"] = 1e3 * (time.perf_counter() - start) / steps
+    for rid in range(len(prompts)):
+        engine.abort(rid)
+    run_to_completion(engine)
+
+    for round_steps in sorted({config.free_slot_round_steps, config.steps_per_round}):
+        engine.config = config.replace(free_slot_round_steps=round_steps)
+        for prompt in prompts:
+            engine.add_request(prompt)
+        engine.step()  # admission and prefill out of the timing
+        before = {k: getattr(engine.stats, k) for k in
+                  ("steps", "rounds", "decode_seconds", "host_seconds", "wall_seconds")}
+        run_to_completion(engine)
+        after = {k: getattr(engine.stats, k) - v for k, v in before.items()}
+        per = 1e3 / after["steps"]
+        result[f"engine_rounds_of_{round_steps}"] = {
+            "steps": after["steps"], "rounds": after["rounds"],
+            "wall_ms_per_step": after["wall_seconds"] * per,
+            "decode_ms_per_step": after["decode_seconds"] * per,
+            "host_ms_per_step": after["host_seconds"] * per}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    np.testing.assert_equal(engine.has_unfinished(), False)
+
+
+if __name__ == "__main__":
+    main()
