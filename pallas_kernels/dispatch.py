@@ -20,7 +20,7 @@ reference. GPU defaults are what measured fastest on the H200 (docs/kernels.md).
 
 
 RUNS_ON = {"xla": None, "pallas_tpu_interpret": None, "pallas_triton_interpret": None,
-           "pallas_tpu": "tpu", "triton": "gpu", "triton_split": "gpu", "pallas_triton": "gpu"}
+           "pallas_tpu": "tpu", "triton": "gpu", "pallas_triton": "gpu"}
 """Every implementation name, and the one platform it compiles for (None: any)."""
 
 

@@ -6,7 +6,6 @@ on an NVIDIA GPU with jax-triton installed; on the H200:
 """
 
 import importlib.util
-import math
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +33,7 @@ IMPLS = ["pallas_tpu_interpret", pytest.param("triton", marks=GPU_MARKS)]
 ON_CUDA = jax.default_backend() == "gpu"
 CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")]
 ATTENTION_IMPLS = [*IMPLS, "pallas_triton_interpret",
-                   pytest.param("pallas_triton", marks=CUDA_MARKS),
-                   pytest.param("triton_split", marks=GPU_MARKS)]
+                   pytest.param("pallas_triton", marks=CUDA_MARKS)]
 
 
 
@@ -47,9 +45,7 @@ def cases(bf16_tolerance: float, pallas_triton: bool = False) -> list:
              pytest.param("triton", jnp.float32, 2e-5, marks=GPU_MARKS),
              pytest.param("triton", jnp.bfloat16, bf16_tolerance, marks=GPU_MARKS)]
     if pallas_triton:  # ragged attention's other kernels
-        found += [pytest.param("triton_split", jnp.float32, 2e-5, marks=GPU_MARKS),
-                  pytest.param("triton_split", jnp.bfloat16, bf16_tolerance, marks=GPU_MARKS),
-                  ("pallas_triton_interpret", jnp.float32, 2e-5),
+        found += [("pallas_triton_interpret", jnp.float32, 2e-5),
                   ("pallas_triton_interpret", jnp.bfloat16, bf16_tolerance),
                   pytest.param("pallas_triton", jnp.float32, 2e-5, marks=CUDA_MARKS),
                   pytest.param("pallas_triton", jnp.bfloat16, bf16_tolerance, marks=CUDA_MARKS)]
@@ -117,43 +113,6 @@ def test_engine_with_kernels_decodes_like_the_xla_path(model, impl):
     xla = [r.token_ids for r in generate(model, prompts, config.replace(kernels="xla"))]
     kernels = generate(model, prompts, config.replace(kernels=impl))
     assert [r.token_ids for r in kernels] == xla
-
-
-@pytest.mark.parametrize("splits", [2, 3, 8])
-def test_attention_shares_merge_to_the_whole(splits):
-    """What the split Triton kernel computes per share of a slot's positions (its normalised
-    output and log-sum-exp; -1e30 for a share without positions), here in jnp: merged
-    (``reference.merge_splits``), the shares give the whole attention."""
-    rng = np.random.default_rng(splits)
-    positions, heads, d, n = 40, 2, 16, 6
-    q = jnp.asarray(rng.normal(size=(n, heads, d)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(positions, d)), jnp.float32) for _ in range(2))
-    kv_len, block_n = 19, 4
-    scores = jnp.einsum("nhd,md->nhm", q, k) * d ** -0.5
-    share = math.ceil(math.ceil(kv_len / splits) / block_n) * block_n  # whole KV blocks
-    outs, lses = [], []
-    for split in range(splits):
-        low, high = split * share, min(kv_len, split * share + share)
-        seen = (jnp.arange(positions) >= low) & (jnp.arange(positions) < high)
-        masked = jnp.where(seen, scores, -jnp.inf)
-        if high > low:
-            lses.append(jax.nn.logsumexp(masked, axis=-1))
-            outs.append(jnp.einsum("nhm,md->nhd", jax.nn.softmax(masked, axis=-1), v))
-        else:
-            lses.append(jnp.full((n, heads), -1e30))
-            outs.append(jnp.zeros((n, heads, d)))
-    valid = jnp.arange(n) < 4
-    merged = attention_reference.merge_splits(jnp.stack(outs), jnp.stack(lses), valid)
-    whole = jnp.einsum("nhm,md->nhd", jax.nn.softmax(
-        jnp.where(jnp.arange(positions) < kv_len, scores, -jnp.inf), axis=-1), v)
-    np.testing.assert_allclose(np.asarray(merged[:4]), np.asarray(whole[:4]), atol=1e-5)
-    assert (np.asarray(merged[4:]) == 0).all()
-    assert splits < 8 or any((lse == -1e30).all() for lse in lses)  # an empty share is merged
-
-
-def test_auto_kv_splits_shrink_with_the_bucket():
-    sizes = [attention_reference.auto_kv_splits(n) for n in (1, 64, 128, 256, 512, 1024, 8192)]
-    assert sizes == [8, 8, 8, 4, 2, 1, 1]
 
 
 def test_unknown_kernel_impl_is_a_clear_error():

@@ -3,8 +3,6 @@ and the sharded entry point that runs it on every device's slots and KV heads of
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
@@ -15,17 +13,14 @@ from pallas_kernels import sharding
 from pallas_kernels.dispatch import choose, implementations
 
 IMPLS = implementations("pallas_kernels.ragged_attention", "ragged_attention")
-# The Triton kernel with each slot's positions shared out over several programs in small buckets
-# (an experiment for lightly loaded steps, docs/kernels.md).
-IMPLS["triton_split"] = functools.partial(IMPLS["triton"], kv_splits="auto")
 
 
 def ragged_attention(*args, impl: str | None = None, **kwargs):
     """Ragged attention (contract in :mod:`pallas_kernels.ragged_attention.reference`).
 
     ``impl``: ``xla``, ``pallas_tpu``, ``pallas_tpu_interpret`` (the TPU kernel in the Pallas
-    interpreter, any platform), ``triton`` (NVIDIA GPUs, through jax-triton), ``triton_split``
-    (the same, each slot's positions shared out over several programs in small buckets);
+    interpreter, any platform), ``triton`` (NVIDIA GPUs, through jax-triton), ``pallas_triton``
+    (NVIDIA GPUs, Pallas's Triton backend; ``pallas_triton_interpret`` in its interpreter);
     ``None`` picks the platform default.
     """
     return choose("ragged_attention", IMPLS, impl)(*args, **kwargs)

@@ -71,23 +71,3 @@ def gpu_layout(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Arra
     first_row, row_count = slot_runs(rows, valid, k_cache.shape[1], block_size)
     vectors = block_size * group
     return group, first_row, row_count, min(block_m, max(16, 1 << (vectors - 1).bit_length()))
-
-
-SPLIT_ROWS = 1024
-""":func:`auto_kv_splits` shares positions out while the rows times the shares stay at most
-this many (the float32 shares then take at most ``SPLIT_ROWS * heads * head_dim * 4`` bytes)."""
-
-
-def auto_kv_splits(rows: int) -> int:
-    """Shares per slot for a bucket of ``rows`` query rows: up to 8 for small buckets (few
-    programs have rows, each walking its whole cache), 1 from ``SPLIT_ROWS`` rows on."""
-    return max(1, min(8, SPLIT_ROWS // max(rows, 1)))
-
-
-def merge_splits(shares: Float[Array, "k n h d"], lse: Float[Array, "k n h"],
-                 valid: Bool[Array, "n"]) -> Float[Array, "n h d"]:
-    """The softmax-weighted sum of the shares' outputs (a share without positions has
-    log-sum-exp -1e30, weight 0); padding rows, which no program writes, are zero."""
-    weight = jnp.exp(lse - lse.max(axis=0))
-    out = (weight[..., None] * shares).sum(axis=0) / weight.sum(axis=0)[..., None]
-    return jnp.where(valid[:, None, None], out, 0.0)

@@ -26,23 +26,18 @@ from pallas_kernels.ragged_attention.reference import (
     BLOCK_N,
     NUM_STAGES,
     NUM_WARPS,
-    auto_kv_splits,
     gpu_layout,
-    merge_splits,
 )
 
 
 @triton.jit
-def _attend(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr, slot,
-            split, SPLITS: tl.constexpr, SLOTS: tl.constexpr, POSITIONS: tl.constexpr,
-            KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """One program's online softmax over its share of its slot's cached positions (share
-    ``split`` of ``SPLITS``, whole ``BLOCK_N`` blocks each): the unnormalised output, the
-    running max and sum, and where its query vectors sit."""
+def _kernel(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr, out_ptr,
+            SLOTS: tl.constexpr, POSITIONS: tl.constexpr, KV_HEADS: tl.constexpr,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)  # fastest: a slot's tiles run side by side and share its cache in L2
     kv_head = tl.program_id(1)
+    slot = tl.program_id(2)
     count = tl.load(row_count_ptr + slot)
     first = tl.load(first_row_ptr + slot)
     layer = tl.load(layer_ptr)
@@ -52,22 +47,18 @@ def _attend(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer
     head = kv_head * GROUP + i % GROUP
     row_ok = row < count
     d = tl.arange(0, HEAD_DIM)
-    vector = (first + row) * (KV_HEADS * GROUP) + head
-    q_offset = vector.to(tl.int64) * HEAD_DIM
+    q_offset = ((first + row) * (KV_HEADS * GROUP) + head).to(tl.int64) * HEAD_DIM
     q = tl.load(q_ptr + q_offset[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
 
     # A tile without rows walks no cache.
     kv_len = tl.load(kv_len_ptr + slot) * (tile * BLOCK_M < count * GROUP).to(tl.int32)
-    share = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
-    low = split * share
-    high = tl.minimum(kv_len, low + share)
     cache_row = (layer * SLOTS + slot).to(tl.int64) * POSITIONS
     m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    for start in range(low, high, BLOCK_N):
+    for start in range(0, kv_len, BLOCK_N):
         position = start + tl.arange(0, BLOCK_N)
-        visible = position < high
+        visible = position < kv_len
         kv_offset = ((cache_row + position) * KV_HEADS + kv_head) * HEAD_DIM
         pointers = kv_offset[:, None] + d[None, :]
         k = tl.load(k_ptr + pointers, mask=visible[:, None], other=0.0)
@@ -80,44 +71,10 @@ def _attend(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer
         v = tl.load(v_ptr + pointers, mask=visible[:, None], other=0.0)
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    return acc, m_i, l_i, vector, row_ok
 
-
-@triton.jit
-def _kernel(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr, out_ptr,
-            SLOTS: tl.constexpr, POSITIONS: tl.constexpr, KV_HEADS: tl.constexpr,
-            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    acc, _, l_i, vector, row_ok = _attend(
-        q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr,
-        tl.program_id(2), 0, 1, SLOTS, POSITIONS, KV_HEADS, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-        SCALE, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + vector.to(tl.int64)[:, None] * HEAD_DIM + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr,
-                  out_ptr, lse_ptr, VECTORS: tl.constexpr, SPLITS: tl.constexpr,
-                  SLOTS: tl.constexpr, POSITIONS: tl.constexpr, KV_HEADS: tl.constexpr,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(query tile, KV head, slot * SPLITS + split)``: each share's normalised output
-    (float32, ``[SPLITS, VECTORS, HEAD_DIM]``) and log-sum-exp (``[SPLITS, VECTORS]``; -1e30
-    for a share without positions), merged by :func:`~.reference.merge_splits`."""
-    split = tl.program_id(2) % SPLITS
-    acc, m_i, l_i, vector, row_ok = _attend(
-        q_ptr, k_ptr, v_ptr, first_row_ptr, row_count_ptr, kv_len_ptr, layer_ptr,
-        tl.program_id(2) // SPLITS, split, SPLITS, SLOTS, POSITIONS, KV_HEADS, GROUP, HEAD_DIM,
-        BLOCK_M, BLOCK_N, SCALE, PRECISION)
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    at = split.to(tl.int64) * VECTORS + vector.to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
-    tl.store(lse_ptr + at, tl.where(seen, m_i + tl.log(l_i), -1e30), mask=row_ok)
+    tl.store(out_ptr + q_offset[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
@@ -125,34 +82,20 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
                      kv_len: Int[Array, "s"], *, block_size: int,
                      block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     kv_splits: int | str = 1) -> Float[Array, "n h d"]:
-    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`.
-
-    ``kv_splits``: each slot's cached positions are shared out over this many programs, whose
-    outputs are merged after (``"auto"``: :func:`~.reference.auto_kv_splits` of the row count;
-    1: one program walks them all, the default)."""
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES
+                     ) -> Float[Array, "n h d"]:
+    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`."""
     import jax_triton  # GPU only: imported when the kernel is called
 
-    n, h, d = q.shape
+    d = q.shape[-1]
     _, slots, positions, kv_heads, _ = k_cache.shape
     group, first_row, row_count, block_m = gpu_layout(q, rows, valid, k_cache, v_cache,
                                                       block_size, block_m)
-    splits = auto_kv_splits(n) if kv_splits == "auto" else kv_splits
-    tiles = triton.cdiv(block_size * group, block_m)
-    operands = (q, k_cache, v_cache, first_row.astype(jnp.int32), row_count.astype(jnp.int32),
-                jnp.asarray(kv_len, jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1))
-    launch = dict(num_warps=num_warps, num_stages=num_stages, SLOTS=slots, POSITIONS=positions,
-                  KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                  SCALE=d ** -0.5, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32")
-    if splits == 1:
-        return jax_triton.triton_call(
-            *operands, kernel=_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-            grid=(tiles, kv_heads, slots), zeroed_outputs=(0,), **launch)
-    # No zeroing: every share of a valid row is written, and padding rows are masked after.
-    shares, lse = jax_triton.triton_call(
-        *operands, kernel=_split_kernel,
-        out_shape=(jax.ShapeDtypeStruct((splits, n, h, d), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, n, h), jnp.float32)),
-        grid=(tiles, kv_heads, slots * splits), VECTORS=n * h, SPLITS=splits, **launch)
-    return merge_splits(shares, lse, valid).astype(q.dtype)
+    return jax_triton.triton_call(
+        q, k_cache, v_cache, first_row.astype(jnp.int32), row_count.astype(jnp.int32),
+        jnp.asarray(kv_len, jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+        kernel=_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(triton.cdiv(block_size * group, block_m), kv_heads, slots), zeroed_outputs=(0,),
+        num_warps=num_warps, num_stages=num_stages, SLOTS=slots, POSITIONS=positions,
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        SCALE=d ** -0.5, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32")
