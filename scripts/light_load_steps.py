@@ -39,20 +39,31 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=1536)
     parser.add_argument("--mode", default="focus")
     parser.add_argument("--kernels", default=None)
+    parser.add_argument("--ladder", default=None, help="bucket ladder fractions, comma-separated")
+    parser.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="set or override one of compilation.GPU_COMPILER_OPTIONS (repeat)")
     parser.add_argument("--round-steps", type=int, default=16)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
+    for option in args.compiler_option:
+        key, sep, value = option.partition("=")
+        if not sep:
+            parser.error(f"--compiler-option wants KEY=VALUE, got {option!r}")
+        compilation.GPU_COMPILER_OPTIONS[key] = {"true": True, "false": False}.get(value, value)
+    ladder = tuple(float(f) for f in args.ladder.split(",")) if args.ladder else None
     model = bench.random_model(args.geometry)
     lengths = bench.prompt_lengths(args.requests)
     prompts = bench.random_prompts(model.config, lengths, seed=1)
     config = GenerationConfig(mode=args.mode, block_size=model.config.block_size or 32,
                               max_new_tokens=args.max_new_tokens, stop_token_ids=(),
-                              kernels=args.kernels)
+                              kernels=args.kernels, bucket_ladder=ladder)
     engine = Engine(model, config, slots=args.batch, cache_len=args.cache_len)
     engine.warmup()
     result = {"geometry": args.geometry, "batch": args.batch, "requests": args.requests,
-              "mode": args.mode, "kernels": args.kernels, "device": jax.devices()[0].device_kind}
+              "mode": args.mode, "kernels": args.kernels, "ladder": ladder,
+              "compiler_options": dict(compilation.GPU_COMPILER_OPTIONS),
+              "device": jax.devices()[0].device_kind}
 
     # Device rounds alone: the requests admitted and prefilled, then rounds back to back (long
     # requests: none finishes during these).
