@@ -21,7 +21,7 @@ from focus_jax.config import ConfigError, ModelConfig
 AXES = ("data", "model")
 RULES: Mapping[str, str | None] = {
     "vocab": "model", "embed": None, "heads": "model", "kv_heads": "model", "head_dim": None,
-    "mlp": "model", "layers": None, "norm": None,
+    "mlp": "model", "layers": None, "norm": None, "qkv": None, "gate_up": None,
 }
 
 

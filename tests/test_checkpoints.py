@@ -275,6 +275,31 @@ def test_a_damaged_file_is_a_load_error_naming_it(hf_folder, damage, culprit):
         focus_jax.load(hf_folder)
 
 
+def test_a_checkpoint_without_one_part_of_a_fused_weight_names_it(hf_folder):
+    """Keys and values are one of our weights (as are the MLP's gate and up projections): a
+    checkpoint without the values names them."""
+    tensors = load_file(hf_folder / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith("self_attn.v_proj.weight")},
+              hf_folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"lack self_attn\.v_proj\.weight"):
+        focus_jax.load(hf_folder)
+
+
+def test_saved_safetensors_are_the_loaded_ones_tensor_for_tensor(hf_folder, tmp_path):
+    """Our fused weights are written back as the Hugging Face tensors they were read from."""
+    from flax import nnx
+
+    from focus_jax.models.params import save_safetensors
+
+    model = focus_jax.load(hf_folder, dtype="float32")
+    files = save_safetensors(nnx.merge(model.graphdef, model.params), tmp_path / "out")
+    saved = {k: v for f in files for k, v in load_file(f).items()}
+    original = load_file(hf_folder / "model.safetensors")
+    assert saved.keys() == original.keys()
+    for key, value in original.items():
+        np.testing.assert_array_equal(saved[key], value.astype(np.float32), err_msg=key)
+
+
 class Killed(BaseException):
     """The process dies here (not an Exception: nothing on the way may handle it)."""
 

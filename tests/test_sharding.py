@@ -43,7 +43,7 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
         # [layers, slots / data, positions, kv_heads / model, head_dim]; MLP columns / model.
         assert row["cache_shard_shape"][1] == 8 // data
         assert row["cache_shard_shape"][3] == 8 // model
-        assert row["gate_shard_shape"][2] == 128 // model
+        assert row["gate_shard_shape"][3] == 128 // model
 
 
 def test_mesh_spec_parsing_and_errors():

@@ -2,7 +2,8 @@
 
 One table maps each Hugging Face key to the NNX path it fills and the reshape that turns a torch
 ``Linear`` weight (``[out, in]``) into our einsum layout. Per-layer tensors are stacked on the
-leading ``layers`` axis.
+leading ``layers`` axis. A few of our weights are several Hugging Face tensors side by side
+(:data:`_FUSED`): the query, key and value projections, and the MLP's gate and up projections.
 """
 
 from __future__ import annotations
@@ -45,20 +46,30 @@ _GLOBAL: dict[str, tuple[tuple[str, ...], Transform]] = {
 _PER_LAYER: dict[str, tuple[tuple[str, ...], Transform]] = {
     "input_layernorm.weight": (("input_norm", "weight"), _same),
     "post_attention_layernorm.weight": (("post_attn_norm", "weight"), _same),
-    "self_attn.q_proj.weight": (
-        ("attn", "q_proj"), _linear(lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
+    # Parts of qkv_proj [E, KVH, G + 2, D]: per KV head its G query heads, then its key, value.
+    "self_attn.q_proj.weight": (("attn", "qkv_proj"), _linear(
+        lambda c: (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim))),
     "self_attn.k_proj.weight": (
-        ("attn", "k_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+        ("attn", "qkv_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, 1, c.head_dim))),
     "self_attn.v_proj.weight": (
-        ("attn", "v_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+        ("attn", "qkv_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, 1, c.head_dim))),
     "self_attn.o_proj.weight": (
         ("attn", "o_proj"), _linear(lambda c: (c.num_heads, c.head_dim, c.hidden_size))),
     "self_attn.q_norm.weight": (("attn", "q_norm", "weight"), _same),
     "self_attn.k_norm.weight": (("attn", "k_norm", "weight"), _same),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w, cfg: w.T),
-    "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w, cfg: w.T),
+    # Parts of gate_up_proj [E, 2, F].
+    "mlp.gate_proj.weight": (("mlp", "gate_up_proj"), _linear(lambda c: (c.hidden_size, 1, -1))),
+    "mlp.up_proj.weight": (("mlp", "gate_up_proj"), _linear(lambda c: (c.hidden_size, 1, -1))),
     "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, cfg: w.T),
 }
+
+_FUSED: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {
+    ("attn", "qkv_proj"): (2, ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                               "self_attn.v_proj.weight")),
+    ("mlp", "gate_up_proj"): (1, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+}
+"""Our weights made of several per-layer Hugging Face tensors: the axis (of one layer's weight)
+they are concatenated on, and their names in order."""
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -150,7 +161,7 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
     memory: no device holds more of a tensor than its own shard)."""
     dtype = np.dtype(cfg.jnp_dtype)
     flat: dict[tuple[str, ...], np.ndarray] = {}
-    per_layer: dict[tuple[str, ...], list[np.ndarray | None]] = {}
+    per_layer: dict[str, list[np.ndarray | None]] = {}
     for file in safetensors_files(folder):
         for key, tensor in read_safetensors(file).items():
             match = _LAYER_KEY.fullmatch(key)
@@ -158,19 +169,30 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
                 index, name = int(match.group(1)), match.group(2)
                 if name not in _PER_LAYER or index >= cfg.num_layers:
                     raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
-                path, transform = _PER_LAYER[name]
-                slots = per_layer.setdefault(path, [None] * cfg.num_layers)
-                slots[index] = transform(tensor, cfg).astype(dtype)
+                slots = per_layer.setdefault(name, [None] * cfg.num_layers)
+                slots[index] = _PER_LAYER[name][1](tensor, cfg).astype(dtype)
             elif key in _GLOBAL:
                 path, transform = _GLOBAL[key]
                 flat[path] = transform(tensor, cfg).astype(dtype)
             else:
                 raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
-    for path, slots in per_layer.items():
+    for name, slots in per_layer.items():
         missing = [i for i, s in enumerate(slots) if s is None]
         if missing:
-            raise ConfigError(f"weights lack layer(s) {missing[:5]} of {'.'.join(path)}")
-        flat[("layers", *path)] = np.stack(slots)
+            raise ConfigError(f"weights lack layer(s) {missing[:5]} of {name}")
+    for name, (path, _) in _PER_LAYER.items():
+        if path in _FUSED:
+            axis, parts = _FUSED[path]
+            if name != parts[0]:
+                continue
+            absent = [part for part in parts if part not in per_layer]
+            if absent:
+                raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
+            flat[("layers", *path)] = np.stack([
+                np.concatenate([per_layer[part][i] for part in parts], axis=axis)
+                for i in range(cfg.num_layers)])
+        elif name in per_layer:
+            flat[("layers", *path)] = np.stack(per_layer[name])
     if cfg.tie_word_embeddings:
         flat.pop(("lm_head",), None)
     return _fill(abstract_decoder(cfg), flat, folder, mesh)
@@ -204,13 +226,27 @@ def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.Array
     return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
 
 
+def _part(value: jax.Array, path: tuple[str, ...], name: str) -> jax.Array:
+    """The Hugging Face tensor ``name``'s part of one layer's weight ``value`` at ``path`` (the
+    whole weight unless it is fused)."""
+    if path not in _FUSED:
+        return value
+    axis, parts = _FUSED[path]
+    # Every part but the first (the query heads of a group, the gate) is one slice wide.
+    sizes = [value.shape[axis] - len(parts) + 1] + [1] * (len(parts) - 1)
+    where = parts.index(name)
+    start = sum(sizes[:where])
+    return jax.lax.slice_in_dim(value, start, start + sizes[where], axis=axis)
+
+
 def _to_torch_layout(value: jax.Array, path: tuple[str, ...]) -> jax.Array:
     """The inverse of the table's transforms: our einsum layout back to ``[out, in]``."""
     name = path[-1]
-    if name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        fan_in = value.shape[0] if name != "o_proj" else value.shape[0] * value.shape[1]
-        return value.reshape(fan_in, -1).T
-    if name in ("gate_proj", "up_proj", "down_proj", "lm_head"):
+    if name in ("qkv_proj", "gate_up_proj"):  # one part: [in, ...out]
+        return value.reshape(value.shape[0], -1).T
+    if name == "o_proj":
+        return value.reshape(value.shape[0] * value.shape[1], -1).T
+    if name in ("down_proj", "lm_head"):
         return value.T
     return value
 
@@ -229,7 +265,8 @@ def save_safetensors(model: Decoder, folder: Path, max_shard_bytes: int = 15 << 
     for name, (path, _) in _PER_LAYER.items():
         stacked = flat[("layers", *path)]
         for index in range(stacked.shape[0]):
-            tensors[f"model.layers.{index}.{name}"] = _to_torch_layout(stacked[index], path)
+            tensors[f"model.layers.{index}.{name}"] = _to_torch_layout(
+                _part(stacked[index], path, name), path)
     shards: list[dict[str, jax.Array]] = [{}]
     size = 0
     for key in sorted(tensors):

@@ -69,7 +69,7 @@ def compare(mode: str, temperature: float = 0.0,
         ids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
                for i, p in enumerate(prompts)]
         results = run_to_completion(engine)
-        gate = engine.model.params["layers"]["mlp"]["gate_proj"]
+        gate = engine.model.params["layers"]["mlp"]["gate_up_proj"]
         print(json.dumps({
             "mode": mode + ("-sampled" if temperature else ""), "mesh": [data, parallel],
             "equal": [results[i].token_ids for i in ids] == single,
