@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
@@ -140,6 +141,31 @@ def stop_token_ids(folder: Path, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+def _separate_projections(params_dir: Path) -> bool:
+    """The orbax checkpoint holds Q, K, V and the MLP's gate and up as separate weights (folders
+    converted before they were fused)."""
+    tree = ocp.StandardCheckpointer().metadata(params_dir.resolve()).item_metadata
+    try:
+        return "q_proj" in tree["layers"]["attn"]
+    except (KeyError, TypeError):
+        return False
+
+
+def _fuse_projections(tree: dict, cfg: ModelConfig) -> dict:
+    """A params tree with separate ``q_proj`` ``[L, E, H, D]``, ``k_proj``, ``v_proj``
+    ``[L, E, KVH, D]``, ``gate_proj`` and ``up_proj`` ``[L, E, F]``, in today's fused layout."""
+    attn, mlp = tree["layers"]["attn"], tree["layers"]["mlp"]
+    layers, embed = attn["q_proj"].shape[:2]
+    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    q = np.asarray(attn.pop("q_proj")).reshape(layers, embed, kvh, -1, d)
+    k, v = (np.asarray(attn.pop(name)).reshape(layers, embed, kvh, 1, d)
+            for name in ("k_proj", "v_proj"))
+    attn["qkv_proj"] = np.concatenate([q, k, v], axis=3)
+    mlp["gate_up_proj"] = np.stack([np.asarray(mlp.pop("gate_proj")),
+                                    np.asarray(mlp.pop("up_proj"))], axis=2)
+    return tree
+
+
 def _restore_orbax(params_dir: Path, cfg: ModelConfig, mesh: Mesh | None = None) -> Any:
     graphdef, abstract = nnx.split(abstract_decoder(cfg))
     if mesh is None:
@@ -150,7 +176,12 @@ def _restore_orbax(params_dir: Path, cfg: ModelConfig, mesh: Mesh | None = None)
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                               nnx.to_pure_dict(abstract), shardings)
     try:
-        restored = ocp.StandardCheckpointer().restore(params_dir.resolve(), target)
+        if _separate_projections(params_dir):
+            restored = jax.device_put(_fuse_projections(
+                ocp.StandardCheckpointer().restore(params_dir.resolve()), cfg),
+                jax.tree.map(lambda t: t.sharding, target))
+        else:
+            restored = ocp.StandardCheckpointer().restore(params_dir.resolve(), target)
     except (ValueError, KeyError) as err:
         raise ConfigError(f"the orbax checkpoint in {params_dir} does not match config.json "
                           f"({str(err).splitlines()[0]})") from None

@@ -4,9 +4,11 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import focus_jax
@@ -287,8 +289,6 @@ def test_a_checkpoint_without_one_part_of_a_fused_weight_names_it(hf_folder):
 
 def test_saved_safetensors_are_the_loaded_ones_tensor_for_tensor(hf_folder, tmp_path):
     """Our fused weights are written back as the Hugging Face tensors they were read from."""
-    from flax import nnx
-
     from focus_jax.models.params import save_safetensors
 
     model = focus_jax.load(hf_folder, dtype="float32")
@@ -298,6 +298,35 @@ def test_saved_safetensors_are_the_loaded_ones_tensor_for_tensor(hf_folder, tmp_
     assert saved.keys() == original.keys()
     for key, value in original.items():
         np.testing.assert_array_equal(saved[key], value.astype(np.float32), err_msg=key)
+
+
+def test_a_folder_converted_before_the_projections_were_fused_still_loads(hf_folder, tmp_path):
+    """Converted folders written with separate Q, K, V, gate and up weights load into the fused
+    layout, value for value."""
+    import orbax.checkpoint as ocp
+
+    from focus_jax import checkpoint
+
+    model = focus_jax.load(hf_folder)
+    folder = checkpoint.save(model, tmp_path / "converted", source=hf_folder)
+    tree = jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
+    attn, mlp = tree["layers"]["attn"], tree["layers"]["mlp"]
+    layers, embed, kvh, parts, d = attn["qkv_proj"].shape
+    qkv = attn.pop("qkv_proj")
+    attn["q_proj"] = qkv[:, :, :, :parts - 2].reshape(layers, embed, kvh * (parts - 2), d)
+    attn["k_proj"], attn["v_proj"] = qkv[:, :, :, parts - 2], qkv[:, :, :, parts - 1]
+    gate_up = mlp.pop("gate_up_proj")
+    mlp["gate_proj"], mlp["up_proj"] = gate_up[:, :, 0], gate_up[:, :, 1]
+    shutil.rmtree(folder / "params")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder / "params", tree)
+    checkpointer.wait_until_finished()
+    assert checkpoint._separate_projections(folder / "params")
+
+    loaded = focus_jax.load(folder)
+    for want, got in zip(jax.tree.leaves(model.params), jax.tree.leaves(loaded.params),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 class Killed(BaseException):
