@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
@@ -31,7 +30,14 @@ from jax.sharding import Mesh
 from focus_jax import sharding
 from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
-from focus_jax.models.params import abstract_decoder, load_safetensors, not_utf8, read_json
+from focus_jax.models.params import (
+    abstract_decoder,
+    fuse_separate_projections,
+    has_separate_projections,
+    load_safetensors,
+    not_utf8,
+    read_json,
+)
 
 PARAMS_DIR = "params"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -142,28 +148,13 @@ def stop_token_ids(folder: Path, tokenizer: Any) -> tuple[int, ...]:
 
 
 def _separate_projections(params_dir: Path) -> bool:
-    """The orbax checkpoint holds Q, K, V and the MLP's gate and up as separate weights (folders
-    converted before they were fused)."""
+    """The orbax checkpoint holds the fused weights' parts as separate weights (folders
+    converted before Q, K, V and the MLP's gate and up were fused)."""
     tree = ocp.StandardCheckpointer().metadata(params_dir.resolve()).item_metadata
     try:
-        return "q_proj" in tree["layers"]["attn"]
+        return has_separate_projections(tree["layers"])
     except (KeyError, TypeError):
         return False
-
-
-def _fuse_projections(tree: dict, cfg: ModelConfig) -> dict:
-    """A params tree with separate ``q_proj`` ``[L, E, H, D]``, ``k_proj``, ``v_proj``
-    ``[L, E, KVH, D]``, ``gate_proj`` and ``up_proj`` ``[L, E, F]``, in today's fused layout."""
-    attn, mlp = tree["layers"]["attn"], tree["layers"]["mlp"]
-    layers, embed = attn["q_proj"].shape[:2]
-    kvh, d = cfg.num_kv_heads, cfg.head_dim
-    q = np.asarray(attn.pop("q_proj")).reshape(layers, embed, kvh, -1, d)
-    k, v = (np.asarray(attn.pop(name)).reshape(layers, embed, kvh, 1, d)
-            for name in ("k_proj", "v_proj"))
-    attn["qkv_proj"] = np.concatenate([q, k, v], axis=3)
-    mlp["gate_up_proj"] = np.stack([np.asarray(mlp.pop("gate_proj")),
-                                    np.asarray(mlp.pop("up_proj"))], axis=2)
-    return tree
 
 
 def _restore_orbax(params_dir: Path, cfg: ModelConfig, mesh: Mesh | None = None) -> Any:
@@ -177,9 +168,9 @@ def _restore_orbax(params_dir: Path, cfg: ModelConfig, mesh: Mesh | None = None)
                               nnx.to_pure_dict(abstract), shardings)
     try:
         if _separate_projections(params_dir):
-            restored = jax.device_put(_fuse_projections(
-                ocp.StandardCheckpointer().restore(params_dir.resolve()), cfg),
-                jax.tree.map(lambda t: t.sharding, target))
+            restored = ocp.StandardCheckpointer().restore(params_dir.resolve())
+            fuse_separate_projections(restored["layers"], cfg)
+            restored = jax.device_put(restored, jax.tree.map(lambda t: t.sharding, target))
         else:
             restored = ocp.StandardCheckpointer().restore(params_dir.resolve(), target)
     except (ValueError, KeyError) as err:

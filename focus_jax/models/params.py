@@ -2,13 +2,15 @@
 
 One table maps each Hugging Face key to the NNX path it fills and the reshape that turns a torch
 ``Linear`` weight (``[out, in]``) into our einsum layout. Per-layer tensors are stacked on the
-leading ``layers`` axis. A few of our weights are several Hugging Face tensors side by side
+leading ``layers`` axis. Two of our weights are several Hugging Face tensors side by side
 (:data:`_FUSED`): the query, key and value projections, and the MLP's gate and up projections.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -43,33 +45,77 @@ _GLOBAL: dict[str, tuple[tuple[str, ...], Transform]] = {
     "lm_head.weight": (("lm_head",), lambda w, cfg: w.T),
 }
 
+@dataclasses.dataclass(frozen=True)
+class _Fused:
+    """One of our per-layer weights made of several Hugging Face tensors side by side on ``axis``
+    of one layer's weight, in the order of ``parts``. ``sizes(cfg)``: each part's slices on
+    that axis; ``shape(cfg, n)``: one layer's weight with ``n`` slices there."""
+
+    axis: int
+    parts: tuple[str, ...]
+    sizes: Callable[[ModelConfig], tuple[int, ...]]
+    shape: Callable[[ModelConfig, int], tuple[int, ...]]
+
+    def part_transform(self, part: str) -> Transform:
+        """A part's torch Linear weight ``[out, in]`` in our layout, ``[in, ...]``."""
+        index = self.parts.index(part)
+
+        def transform(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+            shape = self.shape(cfg, self.sizes(cfg)[index])
+            if w.size != math.prod(shape):
+                raise ConfigError(f"{part} has shape {tuple(w.shape)}, config.json implies "
+                                  f"{math.prod(shape[1:])} x {shape[0]}")
+            return w.T.reshape(shape)
+
+        return transform
+
+
+_FUSED: dict[tuple[str, ...], _Fused] = {
+    # [E, KVH, G + 2, D]: per KV head its G query heads, then its key and its value.
+    ("attn", "qkv_proj"): _Fused(
+        2, ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        lambda c: (c.num_heads // c.num_kv_heads, 1, 1),
+        lambda c, n: (c.hidden_size, c.num_kv_heads, n, c.head_dim)),
+    # [E, 2, F].
+    ("mlp", "gate_up_proj"): _Fused(
+        1, ("mlp.gate_proj.weight", "mlp.up_proj.weight"), lambda c: (1, 1),
+        lambda c, n: (c.hidden_size, n, c.intermediate_size)),
+}
+
 _PER_LAYER: dict[str, tuple[tuple[str, ...], Transform]] = {
     "input_layernorm.weight": (("input_norm", "weight"), _same),
     "post_attention_layernorm.weight": (("post_attn_norm", "weight"), _same),
-    # Parts of qkv_proj [E, KVH, G + 2, D]: per KV head its G query heads, then its key, value.
-    "self_attn.q_proj.weight": (("attn", "qkv_proj"), _linear(
-        lambda c: (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim))),
-    "self_attn.k_proj.weight": (
-        ("attn", "qkv_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, 1, c.head_dim))),
-    "self_attn.v_proj.weight": (
-        ("attn", "qkv_proj"), _linear(lambda c: (c.hidden_size, c.num_kv_heads, 1, c.head_dim))),
     "self_attn.o_proj.weight": (
         ("attn", "o_proj"), _linear(lambda c: (c.num_heads, c.head_dim, c.hidden_size))),
     "self_attn.q_norm.weight": (("attn", "q_norm", "weight"), _same),
     "self_attn.k_norm.weight": (("attn", "k_norm", "weight"), _same),
-    # Parts of gate_up_proj [E, 2, F].
-    "mlp.gate_proj.weight": (("mlp", "gate_up_proj"), _linear(lambda c: (c.hidden_size, 1, -1))),
-    "mlp.up_proj.weight": (("mlp", "gate_up_proj"), _linear(lambda c: (c.hidden_size, 1, -1))),
     "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w, cfg: w.T),
+    **{part: (path, fused.part_transform(part))
+       for path, fused in _FUSED.items() for part in fused.parts},
 }
 
-_FUSED: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {
-    ("attn", "qkv_proj"): (2, ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                               "self_attn.v_proj.weight")),
-    ("mlp", "gate_up_proj"): (1, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-}
-"""Our weights made of several per-layer Hugging Face tensors: the axis (of one layer's weight)
-they are concatenated on, and their names in order."""
+
+def _separate_name(part: str) -> str:
+    """The name a fused weight's part had as a weight of its own (``q_proj``, ``gate_proj``)."""
+    return part.split(".")[-2]
+
+
+def has_separate_projections(layers: Any) -> bool:
+    """``layers`` (a params tree's ``layers`` part, or its metadata) holds the fused weights'
+    parts as separate weights, as folders converted before the fusion do."""
+    return any(_separate_name(fused.parts[0]) in layers[path[0]] for path, fused in _FUSED.items())
+
+
+def fuse_separate_projections(layers: dict, cfg: ModelConfig) -> dict:
+    """``layers`` with separate stacked parts (``q_proj [L, E, H, D]``, ``k_proj``, ...,
+    ``gate_proj [L, E, F]``) replaced, in place, by our fused weights."""
+    for (module, name), fused in _FUSED.items():
+        parts = [np.asarray(layers[module].pop(_separate_name(part))) for part in fused.parts]
+        layers[module][name] = np.concatenate(
+            [part.reshape(part.shape[0], *fused.shape(cfg, size))
+             for part, size in zip(parts, fused.sizes(cfg), strict=True)], axis=fused.axis + 1)
+    return layers
+
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -181,18 +227,15 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
         if missing:
             raise ConfigError(f"weights lack layer(s) {missing[:5]} of {name}")
     for name, (path, _) in _PER_LAYER.items():
-        if path in _FUSED:
-            axis, parts = _FUSED[path]
-            if name != parts[0]:
-                continue
-            absent = [part for part in parts if part not in per_layer]
-            if absent:
-                raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
-            flat[("layers", *path)] = np.stack([
-                np.concatenate([per_layer[part][i] for part in parts], axis=axis)
-                for i in range(cfg.num_layers)])
-        elif name in per_layer:
+        if path not in _FUSED and name in per_layer:
             flat[("layers", *path)] = np.stack(per_layer[name])
+    for path, fused in _FUSED.items():
+        absent = [part for part in fused.parts if part not in per_layer]
+        if absent:
+            raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
+        flat[("layers", *path)] = np.stack([
+            np.concatenate([per_layer[part][i] for part in fused.parts], axis=fused.axis)
+            for i in range(cfg.num_layers)])
     if cfg.tie_word_embeddings:
         flat.pop(("lm_head",), None)
     return _fill(abstract_decoder(cfg), flat, folder, mesh)
@@ -226,17 +269,16 @@ def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.Array
     return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
 
 
-def _part(value: jax.Array, path: tuple[str, ...], name: str) -> jax.Array:
+def _part(value: jax.Array, path: tuple[str, ...], name: str, cfg: ModelConfig) -> jax.Array:
     """The Hugging Face tensor ``name``'s part of one layer's weight ``value`` at ``path`` (the
     whole weight unless it is fused)."""
     if path not in _FUSED:
         return value
-    axis, parts = _FUSED[path]
-    # Every part but the first (the query heads of a group, the gate) is one slice wide.
-    sizes = [value.shape[axis] - len(parts) + 1] + [1] * (len(parts) - 1)
-    where = parts.index(name)
+    fused = _FUSED[path]
+    sizes = fused.sizes(cfg)
+    where = fused.parts.index(name)
     start = sum(sizes[:where])
-    return jax.lax.slice_in_dim(value, start, start + sizes[where], axis=axis)
+    return jax.lax.slice_in_dim(value, start, start + sizes[where], axis=fused.axis)
 
 
 def _to_torch_layout(value: jax.Array, path: tuple[str, ...]) -> jax.Array:
@@ -266,7 +308,7 @@ def save_safetensors(model: Decoder, folder: Path, max_shard_bytes: int = 15 << 
         stacked = flat[("layers", *path)]
         for index in range(stacked.shape[0]):
             tensors[f"model.layers.{index}.{name}"] = _to_torch_layout(
-                _part(stacked[index], path, name), path)
+                _part(stacked[index], path, name, model.config), path)
     shards: list[dict[str, jax.Array]] = [{}]
     size = 0
     for key in sorted(tensors):
