@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import jax
@@ -27,6 +28,9 @@ from flax import nnx
 from focus_jax import bench, compilation, decoding
 from focus_jax.config import GenerationConfig
 from focus_jax.engine import Engine, SamplingParams, run_to_completion
+
+REPEATS = 3
+"""Repetitions of each device variant (48 steps each); the median is reported."""
 
 
 def main() -> None:
@@ -58,7 +62,7 @@ def main() -> None:
                               max_new_tokens=args.max_new_tokens, stop_token_ids=(),
                               kernels=args.kernels, bucket_ladder=ladder)
     engine = Engine(model, config, slots=args.batch, cache_len=args.cache_len)
-    engine.warmup()
+    engine.warmup(lengths)  # the prefill programs these prompts need, not every bucket
     result = {"geometry": args.geometry, "batch": args.batch, "requests": args.requests,
               "mode": args.mode, "kernels": args.kernels, "ladder": ladder,
               "compiler_options": dict(compilation.GPU_COMPILER_OPTIONS),
@@ -74,17 +78,22 @@ def main() -> None:
     program = runner._round_program()
 
     def timed(label: str, call, count: int, sync_each: bool) -> None:
-        """``call()`` ``count`` times (it returns the steps it ran, as a device scalar); ms per
-        step, reading the step count back after each call or only at the end."""
-        jax.block_until_ready(runner.state)
-        ran, start = [], time.perf_counter()
-        for _ in range(count):
-            ran.append(call())
-            if sync_each:
-                ran[-1] = int(ran[-1])
-        steps = sum(int(r) for r in ran)
-        result[label] = 1e3 * (time.perf_counter() - start) / steps
-        print(f"{label}: {result[label]:.2f}", flush=True)
+        """``call()`` ``count`` times (it returns the steps it ran, as a device scalar), in
+        ``REPEATS`` repetitions; the median ms per step, reading the step count back after each
+        call or only at the end."""
+        per_step = []
+        for _ in range(REPEATS):
+            jax.block_until_ready(runner.state)
+            ran, start = [], time.perf_counter()
+            for _ in range(count):
+                ran.append(call())
+                if sync_each:
+                    ran[-1] = int(ran[-1])
+            steps = sum(int(r) for r in ran)
+            per_step.append(1e3 * (time.perf_counter() - start) / steps)
+        result[label] = statistics.median(per_step)
+        print(f"{label}: {result[label]:.2f} (of {', '.join(f'{t:.2f}' for t in per_step)})",
+              flush=True)
 
     def round_of(steps: int):
         def call():
