@@ -117,15 +117,15 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
                          settings: decoding.DecodeSettings, max_steps: int, slots: int,
                          cache_len: int) -> Callable:
     """The jitted decode round (``decoding.decode_round``) for devices of ``platform``:
-    ``(params, state, stop_on_finish, step_limit) -> (state, logs, steps)``.
+    ``(params, state, stop_on_finish, step_limit, stop_on_first_output) -> (state, logs, steps)``.
 
     Kept in :data:`PROGRAMS` by model, settings, steps per round and state shape: one compiled
     program per entry.
     """
     def make() -> Callable:
-        def decode_round(params, state, stop_on_finish, step_limit):
+        def decode_round(params, state, stop_on_finish, step_limit, stop_on_first_output):
             return decoding.decode_round(nnx.merge(graphdef, params), state, settings, max_steps,
-                                         stop_on_finish, step_limit)
+                                         stop_on_finish, step_limit, stop_on_first_output)
 
         return _jit(decode_round, platform)
 

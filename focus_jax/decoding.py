@@ -474,11 +474,14 @@ def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"],
 
 def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, max_steps: int,
                  stop_on_finish: Bool[Array, ""], step_limit: Int[Array, ""],
+                 stop_on_first_output: Bool[Array, ""] | bool = False,
                  ) -> tuple[DecodeState, StepLog, Int[Array, ""]]:
     """Run up to ``step_limit`` (at most ``max_steps``) steps in one
     ``lax.while_loop``: until no slot is live, or (with ``stop_on_finish``) as soon as some
-    request finishes so its slot can be refilled. ``step_limit`` is a run-time value: rounds of
-    any length up to ``max_steps`` share one compiled program.
+    request finishes so its slot can be refilled, or (with ``stop_on_first_output``) as soon as
+    some request commits the first block holding output, so that it can be streamed at once.
+    ``step_limit`` and both switches are run-time values: rounds of any length up to
+    ``max_steps`` share one compiled program.
 
     Returns the state, the per-step logs ``[max_steps, ...]`` and the number of steps run.
     """
@@ -488,11 +491,16 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
                     jnp.zeros((max_steps, s), bool), jnp.zeros((max_steps,), jnp.int32),
                     jnp.zeros((max_steps,), jnp.int32))
     live_at_start = state.live
+    # Slots whose committed positions do not yet reach past the prompt: no output streamed yet.
+    no_output_at_start = state.live & (state.history <= state.prompt_len)
 
     def keep_going(carry) -> Array:
         state, _, i = carry
         someone_finished = (live_at_start & ~state.live).any()
-        return (i < limit) & state.live.any() & ~(stop_on_finish & someone_finished)
+        first_output = (no_output_at_start
+                        & (~state.live | (state.history > state.prompt_len))).any()
+        return (i < limit) & state.live.any() & ~(stop_on_finish & someone_finished) \
+            & ~(stop_on_first_output & first_output)
 
     def one_step(carry):
         state, logs, i = carry

@@ -274,6 +274,10 @@ def test_rounds_are_short_while_a_slot_is_free_and_whole_when_every_slot_is_busy
 
     with count_compilations() as compiled:
         first = engine.add_request(prompts[0])
+        # Until its first output (a short round also ends there: the next test).
+        for _ in range(8):
+            if any(out.new_token_ids for out in engine.step()):
+                break
         alone_rounds = [steps_of_one_round() for _ in range(3)]
         second = engine.add_request(prompts[1])
         full_rounds = [steps_of_one_round() for _ in range(2)]
@@ -282,6 +286,35 @@ def test_rounds_are_short_while_a_slot_is_free_and_whole_when_every_slot_is_busy
     assert alone_rounds == [2, 2, 2] and full_rounds == [8, 8]
     reference = run_to_completion_of(model, CONFIG.replace(max_new_tokens=24), prompts)
     assert [results[first].token_ids, results[second].token_ids] == reference
+
+
+def test_a_short_round_ends_as_soon_as_a_request_has_its_first_output(model):
+    """While a slot is free a round stops at the step that commits a request's first output
+    block, which is streamed at once; later rounds run their length. Where the first output
+    comes is found by an engine that runs one step per round (rounds that never stop early)."""
+    config = CONFIG.replace(steps_per_round=8, free_slot_round_steps=8, max_new_tokens=24)
+    prompt = random_prompts(1, 128, 6, 6, seed=22)[0]
+
+    one_step_rounds = Engine(model, config.replace(steps_per_round=1, free_slot_round_steps=1),
+                             slots=2, cache_len=64)
+    one_step_rounds.add_request(prompt)
+    steps_to_first_output = 0
+    while True:
+        steps_to_first_output += 1
+        if any(out.new_token_ids for out in one_step_rounds.step()):
+            break
+    assert steps_to_first_output < 8  # else a round of 8 could not end early
+
+    engine = Engine(model, config, slots=2, cache_len=64)
+    rid = engine.add_request(prompt)
+    first_round = engine.step()
+    assert engine.stats.steps == steps_to_first_output
+    assert [out.request_id for out in first_round if out.new_token_ids] == [rid]
+    engine.step()
+    assert engine.stats.steps == steps_to_first_output + 8
+    results = run_to_completion(engine)
+    assert results[rid].token_ids == run_to_completion_of(model, CONFIG.replace(max_new_tokens=24),
+                                                          [prompt])[0]
 
 
 def run_to_completion_of(model, config, prompts):

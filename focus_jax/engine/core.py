@@ -167,19 +167,22 @@ class Engine:
                 request.stats.admitted_time = now
         if self.scheduler.running:
             with self._timed("decode_seconds"):
-                copy = self.runner.decode_round(stop_on_finish=bool(self.scheduler.waiting),
-                                                steps=self._round_steps())
+                short = self._short_rounds()
+                copy = self.runner.decode_round(
+                    stop_on_finish=bool(self.scheduler.waiting),
+                    steps=self.config.free_slot_round_steps if short else None,
+                    stop_on_first_output=short)
             with self._timed("host_seconds"):
                 outputs += self._after_round(copy)
         self.stats.wall_seconds += time.perf_counter() - start
         return outputs
 
-    def _round_steps(self) -> int:
-        """Short rounds while a slot is free and nothing waits (an arrival is admitted soon),
-        whole rounds otherwise."""
-        if self.scheduler.waiting or len(self.scheduler.running) == self.slots:
-            return self.config.steps_per_round
-        return self.config.free_slot_round_steps  # the round caps it at steps_per_round
+    def _short_rounds(self) -> bool:
+        """Short rounds while a slot is free and nothing waits: an arrival is admitted soon, and
+        a round ends as soon as a request has its first output, which is streamed at once.
+        Whole rounds otherwise (the round caps ``free_slot_round_steps`` at
+        ``steps_per_round``)."""
+        return not self.scheduler.waiting and len(self.scheduler.running) < self.slots
 
     def _after_round(self, copy) -> list[RequestOutput]:
         running = dict(self.scheduler.running)

@@ -140,11 +140,14 @@ class Runner:
         padded[:len(slots)] = slots
         self.state = self._release(self.state, padded)
 
-    def decode_round(self, stop_on_finish: bool, steps: int | None = None) -> RoundCopy:
+    def decode_round(self, stop_on_finish: bool, steps: int | None = None,
+                     stop_on_first_output: bool = False) -> RoundCopy:
         """Run a round of at most ``steps`` steps (default and cap: ``steps_per_round``; until
-        every slot is idle, or, with ``stop_on_finish``, the first finished request) and copy
-        its results to the host."""
-        self.state, logs, ran = self._round_program()(*self._round_args(stop_on_finish, steps))
+        every slot is idle, or the first finished request with ``stop_on_finish``, or the first
+        request's first output with ``stop_on_first_output``) and copy its results to the
+        host."""
+        self.state, logs, ran = self._round_program()(
+            *self._round_args(stop_on_finish, steps, stop_on_first_output))
         # One transfer per round: the step logs and slot progress. (On GPUs the call above may
         # already have waited: XLA reads a while loop's condition each step.)
         state = self.state
@@ -166,10 +169,13 @@ class Runner:
         """Rounds run the full bucket ladder (no background compile is pending)."""
         return self._compiling is None or self._compiling.done()
 
-    def _round_args(self, stop_on_finish: bool, steps: int | None = None) -> tuple:
-        """The decode round's arguments (the step limit a run-time value: one program)."""
+    def _round_args(self, stop_on_finish: bool, steps: int | None = None,
+                    stop_on_first_output: bool = False) -> tuple:
+        """The decode round's arguments (the step limit and the stop switches are run-time
+        values: one program)."""
         limit = self.steps_per_round if steps is None else steps
-        return (self.model.params, self.state, np.asarray(stop_on_finish), np.int32(limit))
+        return (self.model.params, self.state, np.asarray(stop_on_finish), np.int32(limit),
+                np.asarray(stop_on_first_output))
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its
