@@ -475,6 +475,7 @@ def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"],
 def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, max_steps: int,
                  stop_on_finish: Bool[Array, ""], step_limit: Int[Array, ""],
                  stop_on_first_output: Bool[Array, ""] | bool = False,
+                 logs: StepLog | None = None,
                  ) -> tuple[DecodeState, StepLog, Int[Array, ""]]:
     """Run up to ``step_limit`` (at most ``max_steps``) steps in one
     ``lax.while_loop``: until no slot is live, or (with ``stop_on_finish``) as soon as some
@@ -483,13 +484,15 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
     ``step_limit`` and both switches are run-time values: rounds of any length up to
     ``max_steps`` share one compiled program.
 
-    Returns the state, the per-step logs ``[max_steps, ...]`` and the number of steps run.
+    Returns the state, the per-step logs ``[max_steps, ...]`` (written over ``logs`` when given,
+    a buffer of that shape that a caller can donate; rows past the steps run keep what they
+    held) and the number of steps run.
     """
     limit = jnp.minimum(step_limit, max_steps)  # the logs hold max_steps steps
     s, b = state.tokens.shape
-    empty = StepLog(*(jnp.zeros((max_steps, s, b), bool) for _ in range(4)),
-                    jnp.zeros((max_steps, s), bool), jnp.zeros((max_steps,), jnp.int32),
-                    jnp.zeros((max_steps,), jnp.int32))
+    empty = logs if logs is not None else StepLog(
+        *(jnp.zeros((max_steps, s, b), bool) for _ in range(4)), jnp.zeros((max_steps, s), bool),
+        jnp.zeros((max_steps,), jnp.int32), jnp.zeros((max_steps,), jnp.int32))
     live_at_start = state.live
     # Slots whose committed positions do not yet reach past the prompt: no output streamed yet.
     no_output_at_start = state.live & (state.history <= state.prompt_len)

@@ -7,7 +7,9 @@ A few requests in many slots (a server below saturation). After a warm-up, it ti
 - ``device``: decode rounds of 1, 4 and ``--round-steps`` steps called back to back, the state
   kept on the device (only the step count read back, after each round or, ``unsynced``, at the
   end), and single steps as programs of their own (no ``while_loop``, so no loop condition read
-  back per step): the device's step time, launches and syncs included;
+  back per step): the device's step time, launches and syncs included; the same rounds with
+  their step-log buffer donated and carried between calls (every output keeps its address);
+  and a program that computes nothing, for the cost of a call alone;
 - ``engine``: ``Engine.step`` rounds of 4 steps and of ``steps_per_round`` steps (what the engine
   runs while a slot is free and nothing waits, and otherwise): the device time plus the copy of
   each round's results and the host's work on them.
@@ -18,11 +20,14 @@ Writes one JSON object (``--json``) with ms per step for each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from focus_jax import bench, compilation, decoding
@@ -69,11 +74,18 @@ def main() -> None:
               "device": jax.devices()[0].device_kind}
 
     # Device rounds alone: the requests admitted and prefilled, then rounds back to back (long
-    # requests: none finishes during these).
+    # requests, started afresh before each group of variants: none finishes during one).
     long = SamplingParams(max_new_tokens=args.cache_len - max(lengths) - 32)
-    for prompt in prompts:
-        engine.add_request(prompt, long)
-    engine.step()  # admits, prefills, runs a first round
+    running: list[int] = []
+
+    def restart_requests() -> None:
+        for rid in running:
+            engine.abort(rid)
+        run_to_completion(engine)
+        running[:] = [engine.add_request(prompt, long) for prompt in prompts]
+        engine.step()  # admits, prefills, runs a first round
+
+    restart_requests()
     runner = engine.runner
     program = runner._round_program()
 
@@ -90,6 +102,8 @@ def main() -> None:
                 if sync_each:
                     ran[-1] = int(ran[-1])
             steps = sum(int(r) for r in ran)
+            if steps < count:
+                raise SystemExit(f"{label}: {steps} steps in {count} calls (a request ended)")
             per_step.append(1e3 * (time.perf_counter() - start) / steps)
         result[label] = statistics.median(per_step)
         print(f"{label}: {result[label]:.2f} (of {', '.join(f'{t:.2f}' for t in per_step)})",
@@ -104,8 +118,44 @@ def main() -> None:
     for steps, sync in ((1, True), (4, True), (4, False), (args.round_steps, True)):
         timed(f"device_rounds_of_{steps}{'' if sync else '_unsynced'}_ms_per_step",
               round_of(steps), 48 // steps, sync)
-    # One step per program call, no while loop: no condition read back per step.
+    restart_requests()
     graphdef, settings = runner.model.graphdef, runner.settings
+    options = compilation.GPU_COMPILER_OPTIONS
+    # The same round with its step-log buffer donated and carried from round to round: every
+    # output then keeps its address between calls (a captured command buffer need not be
+    # updated for a fresh logs buffer each call).
+    donating = jax.jit(
+        lambda params, state, logs, limit: decoding.decode_round(
+            nnx.merge(graphdef, params), state, settings, runner.steps_per_round, False, limit,
+            logs=logs),
+        donate_argnums=(1, 2), compiler_options=options)
+    runner.state, carried, _ = program(*runner._round_args(False, 1))
+
+    def donating_round_of(steps: int):
+        def call():
+            nonlocal carried
+            runner.state, carried, ran = donating(runner.model.params, runner.state, carried,
+                                                  np.int32(steps))
+            return ran
+        return call
+
+    donating_round_of(1)()  # compiles
+    for steps in (1, args.round_steps):
+        timed(f"device_rounds_of_{steps}_logs_donated_ms_per_step", donating_round_of(steps),
+              48 // steps, True)
+    # The cost of a program call alone: the round's arguments in, the state donated and given
+    # back with one scalar changed, nothing else computed.
+    trivial = jax.jit(lambda params, state: (dataclasses.replace(state, live=~(~state.live)),
+                                             jnp.ones((), jnp.int32)),
+                      donate_argnums=(1,), compiler_options=options)
+
+    def trivial_call():
+        runner.state, one = trivial(runner.model.params, runner.state)
+        return one
+
+    trivial_call()
+    timed("device_trivial_program_ms_per_call", trivial_call, 48, True)
+    # One step per program call, no while loop: no condition read back per step.
     one_step = jax.jit(lambda params, state: decoding.step(nnx.merge(graphdef, params), state,
                                                            settings)[0],
                        donate_argnums=(1,), compiler_options=compilation.GPU_COMPILER_OPTIONS)
@@ -114,6 +164,7 @@ def main() -> None:
         runner.state = one_step(runner.model.params, runner.state)
         return 1
 
+    restart_requests()
     step_call()  # compiles
     timed("device_single_step_programs_ms_per_step", step_call, 48, False)
     # The same rounds, each followed by the engine's copy of its results to the host.
@@ -121,7 +172,7 @@ def main() -> None:
     for _ in range(6):
         steps += runner.decode_round(False, args.round_steps).steps
     result["device_and_copy_ms_per_step"] = 1e3 * (time.perf_counter() - start) / steps
-    for rid in range(len(prompts)):
+    for rid in running:
         engine.abort(rid)
     run_to_completion(engine)
 
