@@ -181,6 +181,31 @@ def compile_in_background(program: Callable, *args: object,
         return compiles[key]
 
 
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+WARMUP_WORKERS = max(1, min(4, _CORES // 4))
+"""Programs a warm-up compiles at once: one per four cores, at most four (one on the 2-core CI
+machine, four on a 16-core GPU host). XLA's passes over one program run on one thread; its
+code generation already spreads over the cores."""
+
+
+def compile_together(programs: list[tuple[Callable, tuple]],
+                     workers: int | None = None) -> None:
+    """Compile each jitted ``(program, args)`` for arguments shaped like ``args``, ``workers``
+    (default :data:`WARMUP_WORKERS`) at a time, longest first as listed; afterwards calling a
+    program with such arguments compiles nothing. The first compile error is raised."""
+    workers = WARMUP_WORKERS if workers is None else workers
+    if workers <= 1:
+        for program, args in programs:
+            program.lower(*_shapes(args)[0]).compile()
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                               thread_name_prefix="focus_jax_warmup") as pool:
+        futures = [pool.submit(lambda p, a: p.lower(*_shapes(a)[0]).compile(), program, args)
+                   for program, args in programs]
+        for future in futures:
+            future.result()
+
+
 def note_compiled(program: Callable, *args: object, remember_as: tuple = ()) -> None:
     """Record that ``program`` was compiled (in the foreground) for arguments shaped like
     ``args``, as a finished background compile would be."""

@@ -369,3 +369,49 @@ def test_the_bucket_ladder_does_not_change_the_bundled_models_tokens():
     first, *others = answers.values()
     assert all(len(ids) > 0 for ids in first)
     assert all(other == first for other in others)
+
+
+def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkeypatch):
+    """With several warm-up workers (a many-core GPU host) the round and the prefill programs
+    compile on the workers' threads at once; serving then compiles nothing, and the tokens are
+    those of an engine warmed up one program at a time."""
+    import threading
+
+    from jax import monitoring
+
+    from focus_jax import compilation
+
+    config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, max_new_tokens=12,
+                              bucket_ladder=(0.5, 1.0), steps_per_round=6)  # programs of its own
+    prompts = random_prompts(6, 128, 2, 30, seed=8)
+    threads = []
+
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == compilation.BACKEND_COMPILE:
+            threads.append(threading.current_thread().name)
+
+    monkeypatch.setattr(compilation, "WARMUP_WORKERS", 3)
+    engine = Engine(model, config, slots=4, cache_len=64)
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        with compilation.persistent_cache_off():
+            engine.warmup()
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    on_workers = [name for name in threads if name.startswith("focus_jax_warmup")]
+    # The round and two row counts of prefill at each prompt bucket, all on the workers; the
+    # warm-up's runs of them after that compile nothing (only the small release program).
+    assert len(on_workers) == 1 + 2 * len(engine_prompt_buckets(engine)), threads
+    assert len(threads) - len(on_workers) <= 1, threads
+    with count_compilations() as serving:
+        ids = [engine.add_request(p) for p in prompts]
+        results = run_to_completion(engine)
+    assert serving.programs == 0
+
+    monkeypatch.setattr(compilation, "WARMUP_WORKERS", 1)
+    compilation.PROGRAMS.clear()  # compiled afresh, one at a time
+    sequential = Engine(model, config, slots=4, cache_len=64)
+    sequential.warmup()
+    expected_ids = [sequential.add_request(p) for p in prompts]
+    expected = run_to_completion(sequential)
+    assert [results[i].token_ids for i in ids] == [expected[i].token_ids for i in expected_ids]

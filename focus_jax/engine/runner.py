@@ -208,12 +208,18 @@ class Runner:
         buckets = prompt_buckets(self.settings.block_size, self.cache_len)
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
-        for n, length in itertools.product(prefill_rows(self.prefill_batch), buckets):
-            # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
-            self._run_prefill(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
-                              np.full((n,), self.slots, np.int32), slot_params_rows([], n))
-        self.release([])
+        # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
+        padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
+                    np.full((n,), self.slots, np.int32), slot_params_rows([], n))
+                   for n, length in itertools.product(prefill_rows(self.prefill_batch), buckets)]
         round_program = self._starter_round if lazy else self._round
+        if compilation.WARMUP_WORKERS > 1:  # compiled side by side first, the round the longest
+            compilation.compile_together(
+                [(round_program, args)]
+                + [(self._prefill, (self.model.params, self.state, *rows)) for rows in padding])
+        for rows in padding:
+            self._run_prefill(*rows)
+        self.release([])
         self.state, _, _ = round_program(*self._round_args(False))
         jax.block_until_ready(self.state)
         args = self._round_args(False)  # the state was replaced (donated) by the round
