@@ -160,6 +160,13 @@ def _shapes(args: tuple) -> tuple[object, Hashable]:
     return shapes, (tree, tuple(leaves))
 
 
+def _compile(program: Callable, shapes: tuple) -> None:
+    """Compile the jitted ``program`` for the argument stand-ins ``shapes`` (:func:`_shapes`):
+    calling it with arguments of those shapes then compiles nothing (``jax.jit`` keeps the
+    executable)."""
+    program.lower(*shapes).compile()
+
+
 def compile_in_background(program: Callable, *args: object,
                           remember_as: tuple = ()) -> concurrent.futures.Future:
     """Compile the jitted ``program`` for arguments shaped like ``args`` in a background
@@ -171,7 +178,7 @@ def compile_in_background(program: Callable, *args: object,
     marker = _marker(remember_as, shapes) if remember_as else None
 
     def compile_program() -> None:
-        program.lower(*shapes).compile()
+        _compile(program, shapes)
         _touch(marker)
 
     with _BACKGROUND_LOCK:
@@ -188,21 +195,14 @@ machine, four on a 16-core GPU host). XLA's passes over one program run on one t
 code generation already spreads over the cores."""
 
 
-def compile_together(programs: list[tuple[Callable, tuple]],
-                     workers: int | None = None) -> None:
-    """Compile each jitted ``(program, args)`` for arguments shaped like ``args``, ``workers``
-    (default :data:`WARMUP_WORKERS`) at a time, longest first as listed; afterwards calling a
-    program with such arguments compiles nothing. The first compile error is raised."""
-    workers = WARMUP_WORKERS if workers is None else workers
-    if workers <= 1:
-        for program, args in programs:
-            program.lower(*_shapes(args)[0]).compile()
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+def compile_together(programs: list[tuple[Callable, tuple]]) -> None:
+    """Compile each jitted ``(program, args)`` for arguments shaped like ``args``,
+    :data:`WARMUP_WORKERS` at a time, longest first as listed. The first compile error is
+    raised."""
+    shaped = [(program, _shapes(args)[0]) for program, args in programs]  # before any donation
+    with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_WORKERS,
                                                thread_name_prefix="focus_jax_warmup") as pool:
-        futures = [pool.submit(lambda p, a: p.lower(*_shapes(a)[0]).compile(), program, args)
-                   for program, args in programs]
-        for future in futures:
+        for future in [pool.submit(_compile, program, shapes) for program, shapes in shaped]:
             future.result()
 
 

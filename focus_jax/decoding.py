@@ -502,8 +502,8 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
         someone_finished = (live_at_start & ~state.live).any()
         first_output = (no_output_at_start
                         & (~state.live | (state.history > state.prompt_len))).any()
-        return (i < limit) & state.live.any() & ~(stop_on_finish & someone_finished) \
-            & ~(stop_on_first_output & first_output)
+        stop = (stop_on_finish & someone_finished) | (stop_on_first_output & first_output)
+        return (i < limit) & state.live.any() & ~stop
 
     def one_step(carry):
         state, logs, i = carry

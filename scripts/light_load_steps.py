@@ -34,8 +34,10 @@ from focus_jax import bench, compilation, decoding
 from focus_jax.config import GenerationConfig
 from focus_jax.engine import Engine, SamplingParams, run_to_completion
 
+STEPS = 48
+"""Steps (or program calls) per repetition of a device variant."""
 REPEATS = 3
-"""Repetitions of each device variant (48 steps each); the median is reported."""
+"""Repetitions of each device variant; the median is reported."""
 
 
 def main() -> None:
@@ -117,7 +119,7 @@ def main() -> None:
 
     for steps, sync in ((1, True), (4, True), (4, False), (args.round_steps, True)):
         timed(f"device_rounds_of_{steps}{'' if sync else '_unsynced'}_ms_per_step",
-              round_of(steps), 48 // steps, sync)
+              round_of(steps), STEPS // steps, sync)
     restart_requests()
     graphdef, settings = runner.model.graphdef, runner.settings
     options = compilation.GPU_COMPILER_OPTIONS
@@ -142,9 +144,9 @@ def main() -> None:
     donating_round_of(1)()  # compiles
     for steps in (1, args.round_steps):
         timed(f"device_rounds_of_{steps}_logs_donated_ms_per_step", donating_round_of(steps),
-              48 // steps, True)
+              STEPS // steps, True)
     # The cost of a program call alone: the round's arguments in, the state donated and given
-    # back with one scalar changed, nothing else computed.
+    # back unchanged, nothing computed.
     trivial = jax.jit(lambda params, state: (dataclasses.replace(state, live=~(~state.live)),
                                              jnp.ones((), jnp.int32)),
                       donate_argnums=(1,), compiler_options=options)
@@ -154,11 +156,11 @@ def main() -> None:
         return one
 
     trivial_call()
-    timed("device_trivial_program_ms_per_call", trivial_call, 48, True)
+    timed("device_trivial_program_ms_per_call", trivial_call, STEPS, True)
     # One step per program call, no while loop: no condition read back per step.
     one_step = jax.jit(lambda params, state: decoding.step(nnx.merge(graphdef, params), state,
                                                            settings)[0],
-                       donate_argnums=(1,), compiler_options=compilation.GPU_COMPILER_OPTIONS)
+                       donate_argnums=(1,), compiler_options=options)
 
     def step_call():
         runner.state = one_step(runner.model.params, runner.state)
@@ -166,7 +168,7 @@ def main() -> None:
 
     restart_requests()
     step_call()  # compiles
-    timed("device_single_step_programs_ms_per_step", step_call, 48, False)
+    timed("device_single_step_programs_ms_per_step", step_call, STEPS, False)
     # The same rounds, each followed by the engine's copy of its results to the host.
     steps, start = 0, time.perf_counter()
     for _ in range(6):

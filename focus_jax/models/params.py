@@ -69,6 +69,13 @@ class _Fused:
 
         return transform
 
+    def join(self, parts: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
+        """The stacked fused weight ``[L, ...]`` from its stacked parts, in the order of
+        ``parts``, each ``[L, ...]`` in any layout of its size (``q_proj [L, E, H, D]``)."""
+        return np.concatenate(
+            [part.reshape(part.shape[0], *self.shape(cfg, size))
+             for part, size in zip(parts, self.sizes(cfg), strict=True)], axis=self.axis + 1)
+
 
 _FUSED: dict[tuple[str, ...], _Fused] = {
     # [E, KVH, G + 2, D]: per KV head its G query heads, then its key and its value.
@@ -111,9 +118,7 @@ def fuse_separate_projections(layers: dict, cfg: ModelConfig) -> dict:
     ``gate_proj [L, E, F]``) replaced, in place, by our fused weights."""
     for (module, name), fused in _FUSED.items():
         parts = [np.asarray(layers[module].pop(_separate_name(part))) for part in fused.parts]
-        layers[module][name] = np.concatenate(
-            [part.reshape(part.shape[0], *fused.shape(cfg, size))
-             for part, size in zip(parts, fused.sizes(cfg), strict=True)], axis=fused.axis + 1)
+        layers[module][name] = fused.join(parts, cfg)
     return layers
 
 
@@ -233,9 +238,8 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
         absent = [part for part in fused.parts if part not in per_layer]
         if absent:
             raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
-        flat[("layers", *path)] = np.stack([
-            np.concatenate([per_layer[part][i] for part in fused.parts], axis=fused.axis)
-            for i in range(cfg.num_layers)])
+        flat[("layers", *path)] = fused.join([np.stack(per_layer[part]) for part in fused.parts],
+                                             cfg)
     if cfg.tie_word_embeddings:
         flat.pop(("lm_head",), None)
     return _fill(abstract_decoder(cfg), flat, folder, mesh)
