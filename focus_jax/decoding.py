@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
@@ -33,7 +34,8 @@ from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, 
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "SlotParams", "StepLog",
-           "decode_round", "init_state", "prefill", "release", "step"]
+           "decode_round", "init_state", "pack_round", "prefill", "release", "step",
+           "unpack_round"]
 
 MAX_STOP_IDS = 8
 """Stop token ids a request may name (the per-slot table's width)."""
@@ -512,6 +514,46 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
         return state, logs, i + 1
 
     return jax.lax.while_loop(keep_going, one_step, (state, empty, jnp.int32(0)))
+
+
+_LOG_FLAGS = ("processed", "retained", "decoded", "sampled")
+"""The per-position step-log fields, packed as bits of one int32 by :func:`pack_round`."""
+
+
+def pack_round(state: DecodeState, logs: StepLog, ran: Int[Array, ""]) -> Int[Array, "s w"]:
+    """What the host reads after a round, as one int32 array (one transfer instead of one per
+    field; each costs the host a round trip). A row per slot (split over slots like the state):
+    ``live, out_len, history, ran``, the ``[T, B]`` per-position log flags (a bit per field of
+    :data:`_LOG_FLAGS`), the ``T`` per-step ``live`` log, the ``T`` processed and ``T``
+    retained buckets (the same in every row), then the slot's ``sequence``.
+    :func:`unpack_round` reads it back."""
+    s = state.live.shape[0]
+    t, _, b = logs.processed.shape
+    flags = sum(getattr(logs, name).astype(jnp.int32) << bit for bit, name in enumerate(_LOG_FLAGS))
+
+    def every_row(x: Array) -> Array:
+        return jnp.broadcast_to(x, (s, *jnp.shape(x)))
+
+    columns = (state.live[:, None], state.out_len[:, None], state.history[:, None],
+               every_row(ran)[:, None], flags.transpose(1, 0, 2).reshape(s, t * b), logs.live.T,
+               every_row(logs.processed_bucket), every_row(logs.retained_bucket), state.sequence)
+    return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
+
+
+def unpack_round(packed: np.ndarray, max_steps: int, block_size: int,
+                 ) -> tuple[StepLog, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pack_round`'s array (on the host) as the step logs (NumPy, ``[max_steps, ...]``),
+    the steps run, and each slot's ``live``, ``out_len``, ``history`` and ``sequence``."""
+    s, t, b = packed.shape[0], max_steps, block_size
+    ends = np.cumsum([1, 1, 1, 1, t * b, t, t, t])
+    live, out_len, history, ran, flags, log_live, processed_bucket, retained_bucket, sequence = (
+        np.split(packed, ends, axis=1))
+    flags = flags.reshape(s, t, b).transpose(1, 0, 2)
+    logs = StepLog(*(((flags >> bit) & 1).astype(bool) for bit in range(len(_LOG_FLAGS))),
+                   live=log_live.T.astype(bool), processed_bucket=processed_bucket[0],
+                   retained_bucket=retained_bucket[0])
+    return (logs, int(ran[0, 0]), live[:, 0].astype(bool), out_len[:, 0], history[:, 0],
+            sequence)
 
 
 def tokens_per_step(block_size: int, denoising_steps: int | None) -> int:

@@ -153,3 +153,35 @@ def test_a_request_admitted_alone_is_prefilled_alone_and_compiles_nothing(model)
     assert rows == [(1, 1), (4, 3), (1, 1)]
     via_generate = [r.token_ids for r in generate(model, prompts, config)]
     assert [results[i].token_ids for i in [first, *rest]] == via_generate
+
+
+def test_a_rounds_packed_results_unpack_to_its_logs_and_slot_progress():
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from focus_jax import decoding
+    from focus_jax.testing import tiny_config
+
+    slots, block, steps, positions = 3, 4, 5, 16
+    rng = np.random.default_rng(0)
+    state = decoding.init_state(tiny_config(), slots, positions, block, mask_token_id=1)
+    state = dataclasses.replace(
+        state, live=jnp.asarray([True, False, True]), out_len=jnp.asarray([0, 7, 2]),
+        history=jnp.asarray([8, 12, 4]), sequence=jnp.asarray(rng.integers(0, 128, (slots, positions))))
+    flags = [rng.random((steps, slots, block)) < 0.5 for _ in range(4)]
+    logs = decoding.StepLog(*map(jnp.asarray, flags), live=jnp.asarray(rng.random((steps, slots)) < 0.5),
+                            processed_bucket=jnp.asarray([8, 4, 4, 12, 0]),
+                            retained_bucket=jnp.asarray([4, 4, 0, 8, 0]))
+    packed = np.asarray(decoding.pack_round(state, logs, jnp.int32(4)))
+    got, ran, live, out_len, history, sequence = decoding.unpack_round(packed, steps, block)
+    assert ran == 4
+    for name in ("processed", "retained", "decoded", "sampled", "live", "processed_bucket",
+                 "retained_bucket"):
+        np.testing.assert_array_equal(getattr(got, name), np.asarray(getattr(logs, name)), name)
+        assert getattr(got, name).dtype == np.asarray(getattr(logs, name)).dtype, name
+    np.testing.assert_array_equal(live, [True, False, True])
+    np.testing.assert_array_equal(out_len, [0, 7, 2])
+    np.testing.assert_array_equal(history, [8, 12, 4])
+    np.testing.assert_array_equal(sequence, np.asarray(state.sequence))

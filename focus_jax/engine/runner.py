@@ -146,14 +146,11 @@ class Runner:
         every slot is idle, or the first finished request with ``stop_on_finish``, or the first
         request's first output with ``stop_on_first_output``) and copy its results to the
         host."""
-        self.state, logs, ran = self._round_program()(
+        self.state, results, _ = self._round_program()(
             *self._round_args(stop_on_finish, steps, stop_on_first_output))
-        # One transfer per round: the step logs and slot progress. (On GPUs the call above may
-        # already have waited: XLA reads a while loop's condition each step.)
-        state = self.state
-        logs, ran, *slots = to_host((logs, ran, state.live, state.out_len, state.history,
-                                     state.sequence))
-        return RoundCopy(logs, int(ran), *slots)
+        # One transfer per round: the step logs and slot progress, packed in one array.
+        return RoundCopy(*decoding.unpack_round(to_host(results), self.steps_per_round,
+                                                self.settings.block_size))
 
     def _round_program(self) -> Callable:
         """The full decode round, or the whole-block-only one while the full one compiles."""
