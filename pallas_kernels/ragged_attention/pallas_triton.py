@@ -44,7 +44,7 @@ MAX_KV_SPLITS = 4
 
 def default_kv_splits(rows: int) -> int:
     """Programs per (slot, KV head, query tile) for a bucket of ``rows`` compacted query rows:
-    ``SPLIT_ROWS // rows``, between 1 and ``MAX_KV_SPLITS`` (1 from ``SPLIT_ROWS / 2`` rows on:
+    ``SPLIT_ROWS // rows``, between 1 and ``MAX_KV_SPLITS`` (1 above ``SPLIT_ROWS / 2`` rows:
     a whole walk per program)."""
     return max(1, min(MAX_KV_SPLITS, SPLIT_ROWS // max(rows, 1)))
 
@@ -111,7 +111,7 @@ def _kernel(q_ref, k_ref, v_ref, first_row_ref, row_count_ref, kv_len_ref, layer
             spare: int, vectors_out: int, slots: int, positions: int, kv_heads: int, group: int,
             splits: int, block_m: int, block_n: int, scale: float,
             precision: jax.lax.Precision):
-    # refs: the aliased initial outputs, then the outputs (out; or acc, m, l).
+    # refs: the aliased initial outputs, then the outputs (out; or acc, maximum, exp_sum).
     outs = refs[len(refs) // 2:]
     tile, kv_head = pl.program_id(0), pl.program_id(1)
     slot, split = pl.program_id(2) // splits, pl.program_id(2) % splits
@@ -164,7 +164,7 @@ def _kernel(q_ref, k_ref, v_ref, first_row_ref, row_count_ref, kv_len_ref, layer
                     mask=row_ok[:, None])
         return
     at = split * vectors_out + vector
-    acc_ref, m_ref, l_ref = outs
+    acc_ref, maximum_ref, exp_sum_ref = outs
     plgpu.store(acc_ref.at[at[:, None], dims], acc, mask=row_ok[:, None])
-    plgpu.store(m_ref.at[at], m_i, mask=row_ok)
-    plgpu.store(l_ref.at[at], l_i, mask=row_ok)
+    plgpu.store(maximum_ref.at[at], m_i, mask=row_ok)
+    plgpu.store(exp_sum_ref.at[at], l_i, mask=row_ok)
