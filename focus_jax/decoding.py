@@ -477,7 +477,6 @@ def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"],
 def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, max_steps: int,
                  stop_on_finish: Bool[Array, ""], step_limit: Int[Array, ""],
                  stop_on_first_output: Bool[Array, ""] | bool = False,
-                 logs: StepLog | None = None,
                  ) -> tuple[DecodeState, StepLog, Int[Array, ""]]:
     """Run up to ``step_limit`` (at most ``max_steps``) steps in one
     ``lax.while_loop``: until no slot is live, or (with ``stop_on_finish``) as soon as some
@@ -486,13 +485,12 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
     ``step_limit`` and both switches are run-time values: rounds of any length up to
     ``max_steps`` share one compiled program.
 
-    Returns the state, the per-step logs ``[max_steps, ...]`` (written over ``logs`` when given,
-    a buffer of that shape that a caller can donate; rows past the steps run keep what they
-    held) and the number of steps run.
+    Returns the state, the per-step logs ``[max_steps, ...]`` (rows past the steps run are
+    zeros) and the number of steps run.
     """
     limit = jnp.minimum(step_limit, max_steps)  # the logs hold max_steps steps
     s, b = state.tokens.shape
-    empty = logs if logs is not None else StepLog(
+    empty = StepLog(
         *(jnp.zeros((max_steps, s, b), bool) for _ in range(4)), jnp.zeros((max_steps, s), bool),
         jnp.zeros((max_steps,), jnp.int32), jnp.zeros((max_steps,), jnp.int32))
     live_at_start = state.live

@@ -7,9 +7,8 @@ A few requests in many slots (a server below saturation). After a warm-up, it ti
 - ``device``: decode rounds of 1, 4 and ``--round-steps`` steps called back to back, the state
   kept on the device (only the step count read back, after each round or, ``unsynced``, at the
   end), and single steps as programs of their own (no ``while_loop``, so no loop condition read
-  back per step): the device's step time, launches and syncs included; the same rounds with
-  their step-log buffer donated and carried between calls (every output keeps its address);
-  and a program that computes nothing, for the cost of a call alone;
+  back per step): the device's step time, launches and syncs included; and a program that
+  computes nothing, for the cost of a call alone;
 - ``engine``: ``Engine.step`` rounds of 4 steps and of ``steps_per_round`` steps (what the engine
   runs while a slot is free and nothing waits, and otherwise): the device time plus the copy of
   each round's results and the host's work on them.
@@ -27,7 +26,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from focus_jax import bench, compilation, decoding
@@ -120,31 +118,8 @@ def main() -> None:
     for steps, sync in ((1, True), (4, True), (4, False), (args.round_steps, True)):
         timed(f"device_rounds_of_{steps}{'' if sync else '_unsynced'}_ms_per_step",
               round_of(steps), STEPS // steps, sync)
-    restart_requests()
     graphdef, settings = runner.model.graphdef, runner.settings
     options = compilation.GPU_COMPILER_OPTIONS
-    # The same round with its step-log buffer donated and carried from round to round: every
-    # output then keeps its address between calls (a captured command buffer need not be
-    # updated for a fresh logs buffer each call).
-    donating = jax.jit(
-        lambda params, state, logs, limit: decoding.decode_round(
-            nnx.merge(graphdef, params), state, settings, runner.steps_per_round, False, limit,
-            logs=logs),
-        donate_argnums=(1, 2), compiler_options=options)
-    runner.state, carried, _ = program(*runner._round_args(False, 1))
-
-    def donating_round_of(steps: int):
-        def call():
-            nonlocal carried
-            runner.state, carried, ran = donating(runner.model.params, runner.state, carried,
-                                                  np.int32(steps))
-            return ran
-        return call
-
-    donating_round_of(1)()  # compiles
-    for steps in (1, args.round_steps):
-        timed(f"device_rounds_of_{steps}_logs_donated_ms_per_step", donating_round_of(steps),
-              STEPS // steps, True)
     # The cost of a program call alone: the round's arguments in, the state donated and given
     # back unchanged, nothing computed.
     trivial = jax.jit(lambda params, state: (dataclasses.replace(state, live=~(~state.live)),

@@ -96,39 +96,6 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl,
     np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("impl", ["pallas_triton_interpret",
-                                  pytest.param("pallas_triton", marks=CUDA_MARKS)])
-@pytest.mark.parametrize("kv_splits", [1, 3, 16])
-def test_pallas_triton_attention_with_split_cache_walks_matches_reference(impl, kv_splits):
-    """Each slot's cache walk shared by ``kv_splits`` programs (16: more than some slots have
-    blocks of cached positions, so some programs walk nothing), merged after."""
-    rng = np.random.default_rng(kv_splits)
-    layers, slots, positions, kv_heads, group, block, head_dim = 2, 4, 256, 2, 4, 8, 64
-    cache = [jnp.asarray(rng.normal(size=(layers, slots, positions, kv_heads, head_dim)),
-                         jnp.float32) for _ in range(2)]
-    keep = rng.uniform(size=(slots, block)) < 0.6
-    keep[1] = False                                  # a slot with no rows
-    kv_len = jnp.asarray([1, 0, 37, positions])      # one position; none; some; the maximum
-    rows, count = compact(jnp.asarray(keep.reshape(-1)))
-    size = int(count) + 2
-    rows, valid = rows[:size], jnp.arange(size) < count
-    q = jnp.asarray(rng.normal(size=(size, kv_heads * group, head_dim)), jnp.float32)
-    args = (q, rows, valid, *cache, 1, kv_len)
-    got = ragged_attention(*args, block_size=block, impl=impl, kv_splits=kv_splits)
-    want = attention_reference.ragged_attention(*args, block_size=block)
-    valid = np.asarray(valid)
-    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5,
-                               atol=2e-5)
-    assert bool(jnp.isfinite(got).all())
-
-
-def test_small_buckets_split_their_cache_walks_and_large_ones_do_not():
-    from pallas_kernels.ragged_attention.pallas_triton import MAX_KV_SPLITS, default_kv_splits
-
-    assert [default_kv_splits(n) for n in (16, 64, 128, 256, 512, 8192)] == [
-        MAX_KV_SPLITS, MAX_KV_SPLITS, 4, 2, 1, 1]
-
-
 @pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 def test_ragged_attention_kernel_with_no_rows_returns_finite_values(impl):
     cache = jnp.ones((1, 2, 64, 1, 64), jnp.float32)

@@ -9,18 +9,13 @@ step launches about 1,200 kernels and loses about 3 ms to the gaps between them,
 docs/serving.md). This kernel becomes XLA's own Triton custom call (``__gpu$xla.gpu.triton``),
 which XLA compiles with the program, so the kernels around it can stay in one command buffer.
 
-**Split cache walks.** With few rows (a lightly loaded engine: 8 requests in 256 slots) only
-about one program per SM has rows, each walking its slot's whole cache alone. ``kv_splits``
-divides each slot's cached positions among that many programs, which keep their unnormalised
-partial results (accumulator, running maximum and sum); a small XLA merge then combines them.
-The default (:func:`default_kv_splits`) splits small buckets only: at saturation every SM has
-work, and the partial results would cost memory traffic.
-
-Not the GPU default: its numbers pass on the H200 (docs/kernels.md) and it serves (through
-``--kernels pallas_triton``, docs/serving.md), but it has not been measured at every batch.
-JAX 0.11 marks Pallas's Triton backend deprecated (Mosaic GPU is its successor), so if it pays,
-the kernel to keep is a Mosaic GPU one (H100/H200 and later), or jax-triton's call made
-command-buffer compatible.
+Not the GPU default yet: its GPU tests pass on the H200 and it serves (``--kernels
+pallas_triton``), faster than the jax-triton kernel at light load and no slower at batch 256
+(docs/serving.md); the engine's GPU tests have not run with it as the default. Splitting each
+slot's cache walk over several programs was measured and removed (docs/kernels.md): the grid
+covers every slot, so a split multiplies the programs that find no rows. JAX 0.11 marks
+Pallas's Triton backend deprecated (Mosaic GPU is its successor), so the kernel to keep is a
+Mosaic GPU one (H100/H200 and later), or jax-triton's call made command-buffer compatible.
 """
 
 from __future__ import annotations
@@ -37,17 +32,6 @@ from pallas_kernels.ragged_attention.reference import BLOCK_M, BLOCK_N, NUM_STAG
 
 NEG_INF = -1e30
 
-SPLIT_ROWS = 512
-"""Buckets of fewer query rows than this split their cache walks (:func:`default_kv_splits`)."""
-MAX_KV_SPLITS = 4
-
-
-def default_kv_splits(rows: int) -> int:
-    """Programs per (slot, KV head, query tile) for a bucket of ``rows`` compacted query rows:
-    ``SPLIT_ROWS // rows``, between 1 and ``MAX_KV_SPLITS`` (1 above ``SPLIT_ROWS / 2`` rows:
-    a whole walk per program)."""
-    return max(1, min(MAX_KV_SPLITS, SPLIT_ROWS // max(rows, 1)))
-
 
 def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
                      k_cache: Float[Array, "layers s m kvh d"],
@@ -55,17 +39,11 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      kv_len: Int[Array, "s"], *, block_size: int,
                      block_m: int = BLOCK_M, block_n: int = BLOCK_N,
                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     kv_splits: int | None = None,
                      interpret: bool = False) -> Float[Array, "n h d"]:
     """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`
-    (padding rows come back zero). ``kv_splits``: programs sharing each slot's cache walk
-    (default :func:`default_kv_splits` of the row count). ``interpret``: run in the Pallas
-    interpreter (any platform)."""
+    (padding rows come back zero). ``interpret``: run in the Pallas interpreter (any platform)."""
     n, h, d = q.shape
     _, slots, positions, kv_heads, _ = k_cache.shape
-    splits = default_kv_splits(n) if kv_splits is None else kv_splits
-    if splits < 1:
-        raise ValueError(f"ragged_attention: kv_splits must be >= 1, got {splits}")
     group, first_row, row_count, block_m = gpu_layout(q, rows, valid, k_cache, v_cache,
                                                       block_size, block_m)
     # Lanes without a row load and store at ``spare``. A masked store writes nothing on the GPU,
@@ -73,48 +51,30 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     # a lane without a row must not share a row with one that has it: a spare row past the end.
     vectors_out = n * h + (1 if interpret else 0)
     kernel = functools.partial(
-        _kernel, spare=vectors_out - 1 if interpret else 0, vectors_out=vectors_out,
-        slots=slots, positions=positions, kv_heads=kv_heads, group=group, splits=splits,
+        _kernel, spare=vectors_out - 1 if interpret else 0,
+        slots=slots, positions=positions, kv_heads=kv_heads, group=group,
         block_m=block_m, block_n=block_n, scale=d ** -0.5,
         precision=(jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                    else jax.lax.Precision.DEFAULT))
-    if splits == 1:  # the output itself (it starts as zeros: padding rows are written by none)
-        outputs = (jnp.zeros((vectors_out, d), q.dtype),)
-    else:  # each split's accumulator, running maximum and sum (rows no program writes: empty)
-        outputs = (jnp.zeros((splits * vectors_out, d), jnp.float32),
-                   jnp.full((splits * vectors_out,), NEG_INF, jnp.float32),
-                   jnp.zeros((splits * vectors_out,), jnp.float32))
     # Row-major views: query vector ``row * h + head``, cache row
     # ``((layer * S + slot) * M + position) * KVH + kv_head``; both reshapes are free.
-    inputs = (q.reshape(n * h, d), k_cache.reshape(-1, d), v_cache.reshape(-1, d),
-              first_row.astype(jnp.int32), row_count.astype(jnp.int32),
-              jnp.asarray(kv_len, jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1))
     out = pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs],
-        grid=(pl.cdiv(block_size * group, block_m), kv_heads, slots * splits),
-        input_output_aliases={len(inputs) + i: i for i in range(len(outputs))},
+        kernel, out_shape=jax.ShapeDtypeStruct((vectors_out, d), q.dtype),
+        grid=(pl.cdiv(block_size * group, block_m), kv_heads, slots),
+        # The output starts as zeros (the last operand): padding rows are written by no program.
+        input_output_aliases={7: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="ragged_attention",
-    )(*inputs, *outputs)
-    if splits == 1:
-        out = out[0]
-    else:  # softmax over all splits from each split's statistics
-        acc, maximum, exp_sum = (x.reshape(splits, vectors_out, *x.shape[1:]) for x in out)
-        weight = jnp.exp(maximum - maximum.max(axis=0))
-        total = (weight * exp_sum).sum(axis=0)
-        out = ((weight[..., None] * acc).sum(axis=0)
-               / jnp.where(total > 0, total, 1.0)[:, None]).astype(q.dtype)
+    )(q.reshape(n * h, d), k_cache.reshape(-1, d), v_cache.reshape(-1, d),
+      first_row.astype(jnp.int32), row_count.astype(jnp.int32), jnp.asarray(kv_len, jnp.int32),
+      jnp.asarray(layer, jnp.int32).reshape(1), jnp.zeros((vectors_out, d), q.dtype))
     return out[:n * h].reshape(n, h, d)
 
 
-def _kernel(q_ref, k_ref, v_ref, first_row_ref, row_count_ref, kv_len_ref, layer_ref, *refs,
-            spare: int, vectors_out: int, slots: int, positions: int, kv_heads: int, group: int,
-            splits: int, block_m: int, block_n: int, scale: float,
-            precision: jax.lax.Precision):
-    # refs: the aliased initial outputs, then the outputs (out; or acc, maximum, exp_sum).
-    outs = refs[len(refs) // 2:]
-    tile, kv_head = pl.program_id(0), pl.program_id(1)
-    slot, split = pl.program_id(2) // splits, pl.program_id(2) % splits
+def _kernel(q_ref, k_ref, v_ref, first_row_ref, row_count_ref, kv_len_ref, layer_ref, _zeros_ref,
+            out_ref, *, spare: int, slots: int, positions: int, kv_heads: int, group: int, block_m: int,
+            block_n: int, scale: float, precision: jax.lax.Precision):
+    tile, kv_head, slot = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     count = row_count_ref[slot]
     first = first_row_ref[slot]
     layer = layer_ref[0]
@@ -128,12 +88,8 @@ def _kernel(q_ref, k_ref, v_ref, first_row_ref, row_count_ref, kv_len_ref, layer
     dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]
     q = plgpu.load(q_ref.at[vector[:, None], dims], mask=row_ok[:, None], other=0.0)
 
-    # A tile without rows walks no cache; a split walks its share of the slot's blocks.
+    # A tile without rows walks no cache.
     kv_len = jnp.where(tile * block_m < count * group, kv_len_ref[slot], 0)
-    blocks = pl.cdiv(kv_len, block_n)
-    share = pl.cdiv(blocks, splits)
-    lo = split * share
-    hi = jnp.maximum(jnp.minimum(lo + share, blocks), lo)
     cache_row = (layer * slots + slot) * positions
 
     def block(j, carry):
@@ -157,14 +113,7 @@ def _kernel(q_ref, k_ref, v_ref, first_row_ref, row_count_ref, kv_len_ref, layer
 
     start = (jnp.full((block_m,), NEG_INF, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, q_ref.shape[-1]), jnp.float32))
-    m_i, l_i, acc = jax.lax.fori_loop(lo, hi, block, start)
-    if splits == 1:
-        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-        plgpu.store(outs[0].at[vector[:, None], dims], out.astype(outs[0].dtype),
-                    mask=row_ok[:, None])
-        return
-    at = split * vectors_out + vector
-    acc_ref, maximum_ref, exp_sum_ref = outs
-    plgpu.store(acc_ref.at[at[:, None], dims], acc, mask=row_ok[:, None])
-    plgpu.store(maximum_ref.at[at], m_i, mask=row_ok)
-    plgpu.store(exp_sum_ref.at[at], l_i, mask=row_ok)
+    _, l_i, acc = jax.lax.fori_loop(0, pl.cdiv(kv_len, block_n), block, start)
+    out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+    plgpu.store(out_ref.at[vector[:, None], dims], out.astype(out_ref.dtype),
+                mask=row_ok[:, None])
