@@ -5,10 +5,10 @@ from a profiler trace (host latency left out).
 
 ``--live`` of ``--slots`` slots hold ``r`` compacted query rows each (for each ``r`` of
 ``--rows-per-slot``), the rows padded to the next power of two (a bucket); every slot's cache
-holds ``--kv-len`` positions. For the jax-triton kernel and the Pallas Triton one, ``--calls``
-chained calls run in one program under ``jax.profiler.trace``; the device time of everything
-they launch (the kernel and what XLA adds around it), and of kernels named
-``ragged_attention*`` alone, is reported per call.
+holds ``--kv-len`` positions. For the jax-triton kernel and the Pallas Triton one (with its
+default split cache walks, and unsplit), ``--calls`` chained calls run in one program under
+``jax.profiler.trace``; the device time of everything they launch (the kernel and what XLA adds
+around it), and of kernels named ``ragged_attention*`` alone, is reported per call.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def main() -> None:
     live = np.linspace(0, args.slots - 1, args.live).astype(int)
     kernels = {impl: functools.partial(ragged_attention, impl=impl)
                for impl in ("triton", "pallas_triton")}
+    kernels["pallas_triton_unsplit"] = functools.partial(ragged_attention, impl="pallas_triton",
+                                                         kv_splits=1)
     results = []
     for per_slot in (int(r) for r in args.rows_per_slot.split(",")):
         count = args.live * per_slot

@@ -96,6 +96,53 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl,
     np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("impl", ["pallas_triton_interpret",
+                                  pytest.param("pallas_triton", marks=CUDA_MARKS)])
+@pytest.mark.parametrize(("occupancy", "kv_splits"), [("few", None), ("few", 1), ("few", 3),
+                                                      ("few", 16), ("one_row_each", None)])
+def test_pallas_triton_attention_over_occupied_slots_matches_reference(impl, occupancy,
+                                                                       kv_splits):
+    """A light load: few rows in many slots. The grid covers only as many slots as the rows
+    can occupy, and each slot's cache walk is shared by ``kv_splits`` programs (default: as
+    many as keep the grid within one program per slot; 16 leaves some with nothing to walk).
+    ``one_row_each``: every row in a slot of its own, as many occupied slots as the grid has."""
+    rng = np.random.default_rng(7)
+    layers, slots, positions, kv_heads, group, block, head_dim = 2, 16, 256, 2, 4, 8, 64
+    cache = [jnp.asarray(rng.normal(size=(layers, slots, positions, kv_heads, head_dim)),
+                         jnp.float32) for _ in range(2)]
+    keep = np.zeros((slots, block), bool)
+    if occupancy == "few":  # slots 3, 9 and 15: some rows, all rows, one row
+        keep[3] = rng.uniform(size=block) < 0.5
+        keep[9], keep[15, 2] = True, True
+    else:
+        keep[[0, 5, 6, 11, 14], [1, 0, 7, 3, 3]] = True
+    kv_len = jnp.asarray(rng.integers(1, positions + 1, size=slots)).at[15].set(positions)
+    rows, count = compact(jnp.asarray(keep.reshape(-1)))
+    size = int(count) + 2                   # padding rows past the count
+    rows, valid = rows[:size], jnp.arange(size) < count
+    q = jnp.asarray(rng.normal(size=(size, kv_heads * group, head_dim)), jnp.float32)
+    args = (q, rows, valid, *cache, 1, kv_len)
+    got = ragged_attention(*args, block_size=block, impl=impl, kv_splits=kv_splits)
+    want = attention_reference.ragged_attention(*args, block_size=block)
+    valid = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5,
+                               atol=2e-5)
+    assert bool(jnp.isfinite(got).all())
+
+
+def test_pallas_triton_attention_grid_shrinks_with_the_rows():
+    from pallas_kernels.ragged_attention import pallas_triton
+
+    occupied_slots, default_kv_splits = pallas_triton.occupied_slots, pallas_triton.default_kv_splits
+
+    assert [occupied_slots(n, 256) for n in (1, 32, 256, 8192)] == [1, 32, 256, 256]
+    assert [default_kv_splits(n, 256) for n in (16, 64, 128, 256, 8192)] == [
+        pallas_triton.MAX_KV_SPLITS, 4, 2, 1, 1]
+    # Never more programs along the slot axis than slots.
+    assert all(occupied_slots(n, s) * default_kv_splits(n, s) <= max(s, 1)
+               for n in range(1, 600, 7) for s in (1, 5, 64, 256))
+
+
 @pytest.mark.parametrize("impl", ATTENTION_IMPLS)
 def test_ragged_attention_kernel_with_no_rows_returns_finite_values(impl):
     cache = jnp.ones((1, 2, 64, 1, 64), jnp.float32)
