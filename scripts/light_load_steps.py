@@ -168,6 +168,9 @@ def main() -> None:
             "wall_ms_per_step": after["wall_seconds"] * per,
             "decode_ms_per_step": after["decode_seconds"] * per,
             "host_ms_per_step": after["host_seconds"] * per}
+    # Steps per compaction bucket (rows) over the whole run: the attention's row counts.
+    for field in ("processed_buckets", "retained_buckets"):
+        result[field] = dict(sorted(getattr(engine.stats, field).items()))
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
