@@ -40,7 +40,6 @@ from pallas_kernels.ragged_attention.reference import BLOCK_M, BLOCK_N, NUM_STAG
 
 NEG_INF = -1e30
 
-
 MAX_KV_SPLITS = 4
 """The most programs that share one slot's cache walk (:func:`default_kv_splits`)."""
 
