@@ -126,10 +126,11 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
     """
     def make() -> Callable:
         def decode_round(params, state, stop_on_finish, step_limit, stop_on_first_output):
+            history_at_start = state.history
             state, logs, ran = decoding.decode_round(nnx.merge(graphdef, params), state,
                                                      settings, max_steps, stop_on_finish,
                                                      step_limit, stop_on_first_output)
-            return state, decoding.pack_round(state, logs, ran), ran
+            return state, decoding.pack_round(state, logs, ran, history_at_start), ran
 
         return _jit(decode_round, platform)
 

@@ -33,9 +33,9 @@ from focus_jax.models.qwen3 import Decoder, forward
 from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, kernel
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
-__all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "SlotParams", "StepLog",
-           "decode_round", "init_state", "pack_round", "prefill", "release", "step",
-           "unpack_round"]
+__all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "RoundResults",
+           "SlotParams", "StepLog", "decode_round", "init_state", "pack_round", "prefill",
+           "release", "step", "unpack_round", "window_width"]
 
 MAX_STOP_IDS = 8
 """Stop token ids a request may name (the per-slot table's width)."""
@@ -514,44 +514,92 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
     return jax.lax.while_loop(keep_going, one_step, (state, empty, jnp.int32(0)))
 
 
-_LOG_FLAGS = ("processed", "retained", "decoded", "sampled")
-"""The per-position step-log fields, packed as bits of one int32 by :func:`pack_round`."""
+_LOG_COUNTS = ("processed", "retained", "decoded", "sampled")
+"""The per-position step-log fields the host reads as counts per step and slot
+(:func:`pack_round`)."""
 
 
-def pack_round(state: DecodeState, logs: StepLog, ran: Int[Array, ""]) -> Int[Array, "s w"]:
+@dataclasses.dataclass(frozen=True)
+class RoundResults:
+    """What the host reads after a round (:func:`unpack_round`), NumPy arrays.
+
+    ``processed``, ``retained``, ``decoded``, ``sampled``, ``step_live``: ``[max_steps, S]``,
+    per step and slot the positions of each step-log field (``step_live``: the slot took part);
+    ``processed_bucket``, ``retained_bucket``: ``[max_steps]``. ``window``: ``[S, W]``, each
+    slot's sequence from ``window_start`` (its history when the round began) on, ``W = min(
+    max_steps * B, M)`` positions: everything a round can commit (one block per step at most).
+    """
+
+    steps: int
+    live: np.ndarray
+    out_len: np.ndarray
+    history: np.ndarray
+    processed: np.ndarray
+    retained: np.ndarray
+    decoded: np.ndarray
+    sampled: np.ndarray
+    step_live: np.ndarray
+    processed_bucket: np.ndarray
+    retained_bucket: np.ndarray
+    window_start: np.ndarray
+    window: np.ndarray
+
+    def tokens(self, slot: int, known: list[int], start: int, end: int) -> list[int]:
+        """The slot's tokens at positions ``[start, end)``, given ``known``, those from
+        ``start`` on that the host already has (an earlier round's), and the window."""
+        have = start + len(known)
+        if end <= have:
+            return known[:max(0, end - start)]
+        lo, hi = have - int(self.window_start[slot]), end - int(self.window_start[slot])
+        if lo < 0 or hi > self.window.shape[1]:
+            raise RuntimeError(f"slot {slot}: positions {have}-{end} lie outside the round's "
+                               f"window {int(self.window_start[slot])}+{self.window.shape[1]}")
+        return known + self.window[slot, lo:hi].tolist()
+
+
+def window_width(max_steps: int, block_size: int, positions: int) -> int:
+    """Sequence positions per slot in a round's results (:class:`RoundResults`)."""
+    return min(max_steps * block_size, positions)
+
+
+def pack_round(state: DecodeState, logs: StepLog, ran: Int[Array, ""],
+               history_at_start: Int[Array, "s"]) -> Int[Array, "s w"]:
     """What the host reads after a round, as one int32 array (one transfer instead of one per
     field; each costs the host a round trip). A row per slot (split over slots like the state):
-    ``live, out_len, history, ran``, the ``[T, B]`` per-position log flags (a bit per field of
-    :data:`_LOG_FLAGS`), the ``T`` per-step ``live`` log, the ``T`` processed and ``T``
-    retained buckets (the same in every row), then the slot's ``sequence``.
-    :func:`unpack_round` reads it back."""
-    s = state.live.shape[0]
+    ``live, out_len, history, ran, history_at_start``, the ``T`` per-step counts of each field
+    of :data:`_LOG_COUNTS`, the ``T`` per-step ``live`` log, the ``T`` processed and ``T``
+    retained buckets (the same in every row), then the slot's sequence from
+    ``history_at_start`` on (:func:`window_width` positions: not the whole sequence, most of
+    which the host already has). :func:`unpack_round` reads it back."""
+    s, m = state.sequence.shape
     t, _, b = logs.processed.shape
-    flags = sum(getattr(logs, name).astype(jnp.int32) << bit for bit, name in enumerate(_LOG_FLAGS))
+    width = window_width(t, b, m)
+    at = jnp.minimum(history_at_start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :],
+                     m - 1)  # past the cache: never read
 
     def every_row(x: Array) -> Array:
         return jnp.broadcast_to(x, (s, *jnp.shape(x)))
 
     columns = (state.live[:, None], state.out_len[:, None], state.history[:, None],
-               every_row(ran)[:, None], flags.transpose(1, 0, 2).reshape(s, t * b), logs.live.T,
-               every_row(logs.processed_bucket), every_row(logs.retained_bucket), state.sequence)
+               every_row(ran)[:, None], history_at_start[:, None],
+               *(getattr(logs, name).sum(-1).T for name in _LOG_COUNTS), logs.live.T,
+               every_row(logs.processed_bucket), every_row(logs.retained_bucket),
+               jnp.take_along_axis(state.sequence, at, axis=1))
     return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
 
 
-def unpack_round(packed: np.ndarray, max_steps: int, block_size: int,
-                 ) -> tuple[StepLog, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`pack_round`'s array (on the host) as the step logs (NumPy, ``[max_steps, ...]``),
-    the steps run, and each slot's ``live``, ``out_len``, ``history`` and ``sequence``."""
-    s, t, b = packed.shape[0], max_steps, block_size
-    ends = np.cumsum([1, 1, 1, 1, t * b, t, t, t])
-    live, out_len, history, ran, flags, log_live, processed_bucket, retained_bucket, sequence = (
-        np.split(packed, ends, axis=1))
-    flags = flags.reshape(s, t, b).transpose(1, 0, 2)
-    logs = StepLog(*(((flags >> bit) & 1).astype(bool) for bit in range(len(_LOG_FLAGS))),
-                   live=log_live.T.astype(bool), processed_bucket=processed_bucket[0],
-                   retained_bucket=retained_bucket[0])
-    return (logs, int(ran[0, 0]), live[:, 0].astype(bool), out_len[:, 0], history[:, 0],
-            sequence)
+def unpack_round(packed: np.ndarray, max_steps: int) -> RoundResults:
+    """:func:`pack_round`'s array, on the host."""
+    t = max_steps
+    ends = np.cumsum([1, 1, 1, 1, 1, t, t, t, t, t, t, t])
+    (live, out_len, history, ran, start, processed, retained, decoded, sampled, step_live,
+     processed_bucket, retained_bucket, window) = np.split(packed, ends, axis=1)
+    return RoundResults(
+        steps=int(ran[0, 0]), live=live[:, 0].astype(bool), out_len=out_len[:, 0],
+        history=history[:, 0], processed=processed.T, retained=retained.T, decoded=decoded.T,
+        sampled=sampled.T, step_live=step_live.T.astype(bool),
+        processed_bucket=processed_bucket[0], retained_bucket=retained_bucket[0],
+        window_start=start[:, 0], window=window)
 
 
 def tokens_per_step(block_size: int, denoising_steps: int | None) -> int:

@@ -1,5 +1,6 @@
 """What copying a decode round's results to the host costs: the fields one by one (as before
-``decoding.pack_round``) against one packed array, and a scalar alone.
+``decoding.pack_round``), one packed array of per-position flags and whole sequences (its first
+form), one of per-step counts and sequence windows (its form now), and a scalar alone.
 
     python scripts/round_copy_cost.py --slots 256 --steps 16 --block 32 --positions 1536
 
@@ -17,6 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from focus_jax import decoding
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -28,7 +31,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     s, t, b, m = args.slots, args.steps, args.block, args.positions
-    width = 4 + t * b + 3 * t + m
+    packed_before = 4 + t * b + 3 * t + m  # per-position flags and the whole sequence
+    width = 5 + 7 * t + decoding.window_width(t, b, m)  # decoding.pack_round's array today
 
     def fields(x):  # the shapes and dtypes runner.decode_round copied field by field
         return ((jnp.zeros((t, s, b), bool) | (x > 0),) * 4 + (jnp.zeros((t, s), bool),)
@@ -38,7 +42,10 @@ def main() -> None:
 
     variants = {
         "fields_one_by_one": jax.jit(fields),
-        "one_packed_array": jax.jit(lambda x: jnp.zeros((s, width), jnp.int32) + x),
+        "one_packed_array_flags_and_sequence": jax.jit(
+            lambda x: jnp.zeros((s, packed_before), jnp.int32) + x),
+        "one_packed_array_counts_and_window": jax.jit(
+            lambda x: jnp.zeros((s, width), jnp.int32) + x),
         "one_scalar": jax.jit(lambda x: x + 1),
     }
     result = {"device": jax.devices()[0].device_kind, "slots": s, "steps": t, "block": b,

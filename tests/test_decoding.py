@@ -155,7 +155,8 @@ def test_a_request_admitted_alone_is_prefilled_alone_and_compiles_nothing(model)
     assert [results[i].token_ids for i in [first, *rest]] == via_generate
 
 
-def test_a_rounds_packed_results_unpack_to_its_logs_and_slot_progress():
+@pytest.mark.parametrize("steps", [2, 5])  # a window of 8 positions of 16; the whole cache
+def test_a_rounds_packed_results_unpack_to_its_step_counts_slot_progress_and_window(steps):
     import dataclasses
 
     import jax.numpy as jnp
@@ -164,24 +165,44 @@ def test_a_rounds_packed_results_unpack_to_its_logs_and_slot_progress():
     from focus_jax import decoding
     from focus_jax.testing import tiny_config
 
-    slots, block, steps, positions = 3, 4, 5, 16
+    slots, block, positions = 3, 4, 16
     rng = np.random.default_rng(0)
     state = decoding.init_state(tiny_config(), slots, positions, block, mask_token_id=1)
+    sequence = rng.integers(0, 128, (slots, positions))
     state = dataclasses.replace(
         state, live=jnp.asarray([True, False, True]), out_len=jnp.asarray([0, 7, 2]),
-        history=jnp.asarray([8, 12, 4]), sequence=jnp.asarray(rng.integers(0, 128, (slots, positions))))
+        history=jnp.asarray([8, 12, 4]), sequence=jnp.asarray(sequence))
     flags = [rng.random((steps, slots, block)) < 0.5 for _ in range(4)]
-    logs = decoding.StepLog(*map(jnp.asarray, flags), live=jnp.asarray(rng.random((steps, slots)) < 0.5),
-                            processed_bucket=jnp.asarray([8, 4, 4, 12, 0]),
-                            retained_bucket=jnp.asarray([4, 4, 0, 8, 0]))
-    packed = np.asarray(decoding.pack_round(state, logs, jnp.int32(4)))
-    got, ran, live, out_len, history, sequence = decoding.unpack_round(packed, steps, block)
-    assert ran == 4
-    for name in ("processed", "retained", "decoded", "sampled", "live", "processed_bucket",
-                 "retained_bucket"):
-        np.testing.assert_array_equal(getattr(got, name), np.asarray(getattr(logs, name)), name)
-        assert getattr(got, name).dtype == np.asarray(getattr(logs, name)).dtype, name
-    np.testing.assert_array_equal(live, [True, False, True])
-    np.testing.assert_array_equal(out_len, [0, 7, 2])
-    np.testing.assert_array_equal(history, [8, 12, 4])
-    np.testing.assert_array_equal(sequence, np.asarray(state.sequence))
+    step_live = rng.random((steps, slots)) < 0.5
+    buckets = rng.integers(0, 13, (2, steps))
+    logs = decoding.StepLog(*map(jnp.asarray, flags), live=jnp.asarray(step_live),
+                            processed_bucket=jnp.asarray(buckets[0]),
+                            retained_bucket=jnp.asarray(buckets[1]))
+    start = np.asarray([4, 8, 12])  # the window runs past the cache in slot 2 when it is wide
+    packed = np.asarray(decoding.pack_round(state, logs, jnp.int32(4), jnp.asarray(start)))
+    got = decoding.unpack_round(packed, steps)
+    assert got.steps == 4
+    for name, flag in zip(("processed", "retained", "decoded", "sampled"), flags, strict=True):
+        np.testing.assert_array_equal(getattr(got, name), flag.sum(-1), name)
+    np.testing.assert_array_equal(got.step_live, step_live)
+    np.testing.assert_array_equal(got.processed_bucket, buckets[0])
+    np.testing.assert_array_equal(got.retained_bucket, buckets[1])
+    np.testing.assert_array_equal(got.live, [True, False, True])
+    np.testing.assert_array_equal(got.out_len, [0, 7, 2])
+    np.testing.assert_array_equal(got.history, [8, 12, 4])
+    width = decoding.window_width(steps, block, positions)
+    assert got.window.shape == (slots, width) == (slots, min(steps * block, positions))
+    for slot in range(slots):
+        inside = min(width, positions - start[slot])
+        np.testing.assert_array_equal(got.window[slot, :inside],
+                                      sequence[slot, start[slot]:start[slot] + inside])
+    # Tokens from the known ones and the window; positions the window lacks are an error.
+    prompt_len, known = 6, sequence[0, 6:8].tolist()  # slot 0 returned its first two
+    end = min(4 + width, positions)  # the window's end, or the cache's
+    assert got.tokens(0, known, prompt_len, end) == sequence[0, 6:end].tolist()
+    assert got.tokens(0, [], prompt_len, 8) == sequence[0, 6:8].tolist()
+    assert got.tokens(0, known, prompt_len, 7) == known[:1]
+    with pytest.raises(RuntimeError, match="outside the round's window"):
+        got.tokens(0, known, prompt_len, 4 + width + 1)
+    with pytest.raises(RuntimeError, match="outside the round's window"):
+        got.tokens(1, [], 2, 10)  # position 2 comes before slot 1's window (from 8)

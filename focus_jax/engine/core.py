@@ -168,12 +168,12 @@ class Engine:
         if self.scheduler.running:
             with self._timed("decode_seconds"):
                 short = self._short_rounds()
-                copy = self.runner.decode_round(
+                results = self.runner.decode_round(
                     stop_on_finish=bool(self.scheduler.waiting),
                     steps=self.config.free_slot_round_steps if short else None,
                     stop_on_first_output=short)
             with self._timed("host_seconds"):
-                outputs += self._after_round(copy)
+                outputs += self._after_round(results)
         self.stats.wall_seconds += time.perf_counter() - start
         return outputs
 
@@ -184,25 +184,26 @@ class Engine:
         ``steps_per_round``)."""
         return not self.scheduler.waiting and len(self.scheduler.running) < self.slots
 
-    def _after_round(self, copy) -> list[RequestOutput]:
+    def _after_round(self, results: decoding.RoundResults) -> list[RequestOutput]:
         running = dict(self.scheduler.running)
-        self.output.record_round(copy, running)
+        self.output.record_round(results, running)
         outputs = []
         for slot, request in running.items():
             start = len(request.prompt)
             try:
-                if copy.live[slot]:
-                    complete = max(0, int(copy.history[slot]) - start)
-                    out = self.output.output(request, copy.sequence[slot, start:start + complete]
-                                             .tolist())
+                if results.live[slot]:  # its complete blocks so far
+                    ids = results.tokens(slot, request.returned, start,
+                                         max(start, int(results.history[slot])))
+                    out = self.output.output(request, ids)
                 else:
-                    ids = copy.sequence[slot, start:start + int(copy.out_len[slot])].tolist()
+                    ids = results.tokens(slot, request.returned, start,
+                                         start + int(results.out_len[slot]))
                     # A stop token ends the output before max_new_tokens; otherwise the cap did.
                     reason = "stop" if len(ids) < request.max_new_tokens else "length"
                     self.scheduler.finish(request)
                     out = self.output.output(request, ids, reason)
             except Exception as err:  # one request's handling fails: it ends, the others go on
-                if copy.live[slot]:
+                if results.live[slot]:
                     self.runner.release([slot])
                 self.scheduler.finish(request)
                 out = self._final(request, "error", f"{type(err).__name__}: {err}")

@@ -131,19 +131,6 @@ class RunStats:
         return self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
-@dataclasses.dataclass
-class RoundCopy:
-    """The host copies of one decode round: its step logs (``[steps, ...]``), the number of
-    steps run, and each slot's liveness, output length, history and sequence after it."""
-
-    logs: decoding.StepLog
-    steps: int
-    live: np.ndarray
-    out_len: np.ndarray
-    history: np.ndarray
-    sequence: np.ndarray
-
-
 class OutputProcessor:
     """Statistics, incremental token hand-over and detokenisation.
 
@@ -155,24 +142,24 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stats = RunStats()
 
-    def record_round(self, copy: RoundCopy, requests: dict[int, Any]) -> None:
-        """Add a round's step logs to the run's statistics and to each running request's
+    def record_round(self, results: decoding.RoundResults, requests: dict[int, Any]) -> None:
+        """Add a round's step counts to the run's statistics and to each running request's
         (``requests``: slot -> request)."""
-        logs, steps = copy.logs, copy.steps
-        processed = logs.processed[:steps].sum(-1)  # [steps, slots]
-        retained = logs.retained[:steps].sum(-1)
-        decoded = logs.decoded[:steps].sum(-1)
+        steps = results.steps
+        processed = results.processed[:steps]  # [steps, slots]
+        retained = results.retained[:steps]
+        decoded = results.decoded[:steps]
         stats = self.stats
         stats.rounds += 1
         stats.steps += steps
         stats.processed_tokens += int(processed.sum())
         stats.retained_tokens += int(retained.sum())
         stats.decoded_tokens += int(decoded.sum())
-        stats.sampled_tokens += int(logs.sampled[:steps].sum())
-        stats.processed_buckets.update(logs.processed_bucket[:steps].tolist())
-        stats.retained_buckets.update(logs.retained_bucket[:steps].tolist())
+        stats.sampled_tokens += int(results.sampled[:steps].sum())
+        stats.processed_buckets.update(results.processed_bucket[:steps].tolist())
+        stats.retained_buckets.update(results.retained_bucket[:steps].tolist())
         for slot, request in requests.items():
-            took_part = logs.live[:steps, slot]
+            took_part = results.step_live[:steps, slot]
             denoising = took_part & (decoded[:, slot] > 0)
             rs = request.stats
             rs.steps += int(took_part.sum())

@@ -18,7 +18,6 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from focus_jax import compilation, decoding, sharding
 from focus_jax.config import ConfigError
 from focus_jax.distributed import to_host
-from focus_jax.engine.output import RoundCopy
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.scheduler import Request
 from focus_jax.model import Model
@@ -141,16 +140,15 @@ class Runner:
         self.state = self._release(self.state, padded)
 
     def decode_round(self, stop_on_finish: bool, steps: int | None = None,
-                     stop_on_first_output: bool = False) -> RoundCopy:
+                     stop_on_first_output: bool = False) -> decoding.RoundResults:
         """Run a round of at most ``steps`` steps (default and cap: ``steps_per_round``; until
         every slot is idle, or the first finished request with ``stop_on_finish``, or the first
         request's first output with ``stop_on_first_output``) and copy its results to the
         host."""
         self.state, results, _ = self._round_program()(
             *self._round_args(stop_on_finish, steps, stop_on_first_output))
-        # One transfer per round: the step logs and slot progress, packed in one array.
-        return RoundCopy(*decoding.unpack_round(to_host(results), self.steps_per_round,
-                                                self.settings.block_size))
+        # One transfer per round: the step counts and slot progress, packed in one array.
+        return decoding.unpack_round(to_host(results), self.steps_per_round)
 
     def _round_program(self) -> Callable:
         """The full decode round, or the whole-block-only one while the full one compiles."""
