@@ -34,8 +34,8 @@ from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, 
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "RoundResults",
-           "SlotParams", "StepLog", "decode_round", "init_state", "pack_round", "prefill",
-           "release", "step", "unpack_round", "window_width"]
+           "SlotParams", "StepLog", "decode_round", "init_state", "pack_round", "packed_width",
+           "prefill", "release", "step", "unpack_round", "window_width"]
 
 MAX_STOP_IDS = 8
 """Stop token ids a request may name (the per-slot table's width)."""
@@ -518,6 +518,10 @@ _LOG_COUNTS = ("processed", "retained", "decoded", "sampled")
 """The per-position step-log fields the host reads as counts per step and slot
 (:func:`pack_round`)."""
 
+_SLOT_COLUMNS = ("live", "out_len", "history", "steps", "window_start")
+""":func:`pack_round`'s leading columns, one each; ``_STEP_COLUMNS`` follow, ``T`` each."""
+_STEP_COLUMNS = (*_LOG_COUNTS, "step_live", "processed_bucket", "retained_bucket")
+
 
 @dataclasses.dataclass(frozen=True)
 class RoundResults:
@@ -550,16 +554,23 @@ class RoundResults:
         have = start + len(known)
         if end <= have:
             return known[:max(0, end - start)]
-        lo, hi = have - int(self.window_start[slot]), end - int(self.window_start[slot])
+        origin = int(self.window_start[slot])
+        lo, hi = have - origin, end - origin
         if lo < 0 or hi > self.window.shape[1]:
             raise RuntimeError(f"slot {slot}: positions {have}-{end} lie outside the round's "
-                               f"window {int(self.window_start[slot])}+{self.window.shape[1]}")
+                               f"window {origin}+{self.window.shape[1]}")
         return known + self.window[slot, lo:hi].tolist()
 
 
 def window_width(max_steps: int, block_size: int, positions: int) -> int:
     """Sequence positions per slot in a round's results (:class:`RoundResults`)."""
     return min(max_steps * block_size, positions)
+
+
+def packed_width(max_steps: int, block_size: int, positions: int) -> int:
+    """Columns of :func:`pack_round`'s array."""
+    return (len(_SLOT_COLUMNS) + len(_STEP_COLUMNS) * max_steps
+            + window_width(max_steps, block_size, positions))
 
 
 def pack_round(state: DecodeState, logs: StepLog, ran: Int[Array, ""],
@@ -580,26 +591,25 @@ def pack_round(state: DecodeState, logs: StepLog, ran: Int[Array, ""],
     def every_row(x: Array) -> Array:
         return jnp.broadcast_to(x, (s, *jnp.shape(x)))
 
-    columns = (state.live[:, None], state.out_len[:, None], state.history[:, None],
-               every_row(ran)[:, None], history_at_start[:, None],
-               *(getattr(logs, name).sum(-1).T for name in _LOG_COUNTS), logs.live.T,
-               every_row(logs.processed_bucket), every_row(logs.retained_bucket),
+    slot_columns = (state.live, state.out_len, state.history, every_row(ran), history_at_start)
+    step_columns = (*(getattr(logs, name).sum(-1).T for name in _LOG_COUNTS), logs.live.T,
+                    every_row(logs.processed_bucket), every_row(logs.retained_bucket))
+    columns = (*(c[:, None] for c in slot_columns), *step_columns,
                jnp.take_along_axis(state.sequence, at, axis=1))
     return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
 
 
 def unpack_round(packed: np.ndarray, max_steps: int) -> RoundResults:
     """:func:`pack_round`'s array, on the host."""
-    t = max_steps
-    ends = np.cumsum([1, 1, 1, 1, 1, t, t, t, t, t, t, t])
-    (live, out_len, history, ran, start, processed, retained, decoded, sampled, step_live,
-     processed_bucket, retained_bucket, window) = np.split(packed, ends, axis=1)
-    return RoundResults(
-        steps=int(ran[0, 0]), live=live[:, 0].astype(bool), out_len=out_len[:, 0],
-        history=history[:, 0], processed=processed.T, retained=retained.T, decoded=decoded.T,
-        sampled=sampled.T, step_live=step_live.T.astype(bool),
-        processed_bucket=processed_bucket[0], retained_bucket=retained_bucket[0],
-        window_start=start[:, 0], window=window)
+    ends = np.cumsum([1] * len(_SLOT_COLUMNS) + [max_steps] * len(_STEP_COLUMNS))
+    *parts, window = np.split(packed, ends, axis=1)
+    fields = dict(zip(_SLOT_COLUMNS + _STEP_COLUMNS, parts, strict=True))
+    results = {name: fields[name][:, 0] for name in _SLOT_COLUMNS}        # [S]
+    results |= {name: fields[name].T for name in (*_LOG_COUNTS, "step_live")}  # [T, S]
+    results |= {name: fields[name][0] for name in ("processed_bucket", "retained_bucket")}
+    results |= {"steps": int(results["steps"][0]), "live": results["live"].astype(bool),
+                "step_live": results["step_live"].astype(bool)}
+    return RoundResults(**results, window=window)
 
 
 def tokens_per_step(block_size: int, denoising_steps: int | None) -> int:

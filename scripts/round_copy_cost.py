@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     s, t, b, m = args.slots, args.steps, args.block, args.positions
     packed_before = 4 + t * b + 3 * t + m  # per-position flags and the whole sequence
-    width = 5 + 7 * t + decoding.window_width(t, b, m)  # decoding.pack_round's array today
+    width = decoding.packed_width(t, b, m)  # decoding.pack_round's array today
 
     def fields(x):  # the shapes and dtypes runner.decode_round copied field by field
         return ((jnp.zeros((t, s, b), bool) | (x > 0),) * 4 + (jnp.zeros((t, s), bool),)
