@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from focus_jax.compilation import count_compilations
 from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig, check_integer
-from focus_jax.engine import Engine, run_to_completion
+from focus_jax.engine import Engine, SamplingParams, run_to_completion
 from focus_jax.model import Model
 from focus_jax.models.qwen3 import Decoder
 
@@ -49,6 +49,29 @@ def random_model(name: str, seed: int = 0, dtype: str = "bfloat16") -> Model:
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed))))
     params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))))()
     return Model(cfg, graphdef, params, None, stop_token_ids=())
+
+
+def light_load(geometry: str, slots: int, requests: int, cache_len: int,
+               **generation) -> tuple[Engine, list[list[int]]]:
+    """A lightly loaded engine's setting: a random ``geometry`` model in an engine of ``slots``
+    slots, warmed up for ``requests`` random prompts (returned, not started); ``generation``:
+    more :class:`GenerationConfig` fields."""
+    model = random_model(geometry)
+    prompts = random_prompts(model.config, prompt_lengths(requests), seed=1)
+    config = GenerationConfig(block_size=model.config.block_size or 32, stop_token_ids=(),
+                              **generation)
+    engine = Engine(model, config, slots=slots, cache_len=cache_len)
+    engine.warmup([len(p) for p in prompts])  # the prefill programs they need, not every bucket
+    return engine, prompts
+
+
+def start_long_requests(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[int]:
+    """Start ``prompts`` with as many new tokens as the cache holds (less a block's margin), so
+    that none ends during a measurement; a first step admits and prefills them. Their ids."""
+    budget = engine.cache_len - max(len(p) for p in prompts) - 32
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=budget)) for p in prompts]
+    engine.step()
+    return ids
 
 
 def layer_flops_per_token(cfg: ModelConfig) -> int:

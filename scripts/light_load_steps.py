@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focus_jax import bench, compilation, decoding
-from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, SamplingParams, run_to_completion
+from focus_jax.engine import run_to_completion
 
 STEPS = 48
 """Steps (or program calls) per repetition of a device variant."""
@@ -60,14 +59,10 @@ def main() -> None:
             parser.error(f"--compiler-option wants KEY=VALUE, got {option!r}")
         compilation.GPU_COMPILER_OPTIONS[key] = {"true": True, "false": False}.get(value, value)
     ladder = tuple(float(f) for f in args.ladder.split(",")) if args.ladder else None
-    model = bench.random_model(args.geometry)
-    lengths = bench.prompt_lengths(args.requests)
-    prompts = bench.random_prompts(model.config, lengths, seed=1)
-    config = GenerationConfig(mode=args.mode, block_size=model.config.block_size or 32,
-                              max_new_tokens=args.max_new_tokens, stop_token_ids=(),
-                              kernels=args.kernels, bucket_ladder=ladder)
-    engine = Engine(model, config, slots=args.batch, cache_len=args.cache_len)
-    engine.warmup(lengths)  # the prefill programs these prompts need, not every bucket
+    engine, prompts = bench.light_load(args.geometry, args.batch, args.requests, args.cache_len,
+                                       mode=args.mode, max_new_tokens=args.max_new_tokens,
+                                       kernels=args.kernels, bucket_ladder=ladder)
+    config = engine.config
     result = {"geometry": args.geometry, "batch": args.batch, "requests": args.requests,
               "mode": args.mode, "kernels": args.kernels, "ladder": ladder,
               "compiler_options": dict(compilation.GPU_COMPILER_OPTIONS),
@@ -75,15 +70,13 @@ def main() -> None:
 
     # Device rounds alone: the requests admitted and prefilled, then rounds back to back (long
     # requests, started afresh before each group of variants: none finishes during one).
-    long = SamplingParams(max_new_tokens=args.cache_len - max(lengths) - 32)
     running: list[int] = []
 
     def restart_requests() -> None:
         for rid in running:
             engine.abort(rid)
         run_to_completion(engine)
-        running[:] = [engine.add_request(prompt, long) for prompt in prompts]
-        engine.step()  # admits, prefills, runs a first round
+        running[:] = bench.start_long_requests(engine, prompts)
 
     restart_requests()
     runner = engine.runner

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from jax._src.profiler import ProfileData
 
 from focus_jax import bench
-from focus_jax.config import GenerationConfig
-from focus_jax.engine import Engine, SamplingParams, run_to_completion
+from focus_jax.engine import run_to_completion
 
 
 def events(trace_dir: str) -> list[dict]:
@@ -53,16 +52,9 @@ def main() -> None:
     parser.add_argument("--out", default="trace")
     args = parser.parse_args()
 
-    model = bench.random_model(args.geometry)
-    lengths = bench.prompt_lengths(args.requests)
-    prompts = bench.random_prompts(model.config, lengths, seed=1)
-    config = GenerationConfig(mode="focus", block_size=model.config.block_size or 32,
-                              stop_token_ids=(), kernels=args.kernels)
-    engine = Engine(model, config, slots=args.batch, cache_len=args.cache_len)
-    engine.warmup(lengths)
-    long = SamplingParams(max_new_tokens=args.cache_len - max(lengths) - 32)
-    running = [engine.add_request(prompt, long) for prompt in prompts]
-    engine.step()  # admits, prefills, runs a first round
+    engine, prompts = bench.light_load(args.geometry, args.batch, args.requests, args.cache_len,
+                                       mode="focus", kernels=args.kernels)
+    running = bench.start_long_requests(engine, prompts)
     runner = engine.runner
     add_one = jax.jit(lambda x: x + 1)
     scalar = jnp.int32(0)
