@@ -117,19 +117,21 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
                          settings: decoding.DecodeSettings, max_steps: int, slots: int,
                          cache_len: int) -> Callable:
     """The jitted decode round (``decoding.decode_round``) for devices of ``platform``:
-    ``(params, state, stop_on_finish, step_limit, stop_on_first_output) -> (state, results,
-    steps)``, ``results`` the round's step logs and slot progress packed for one transfer
-    (``decoding.pack_round``).
+    ``(params, state, stop_on_finish, step_limit, stop_on_first_output, interrupt_channel) ->
+    (state, results, steps)``, ``results`` the round's step logs and slot progress packed for one
+    transfer (``decoding.pack_round``).
 
     Kept in :data:`PROGRAMS` by model, settings, steps per round and state shape: one compiled
     program per entry.
     """
     def make() -> Callable:
-        def decode_round(params, state, stop_on_finish, step_limit, stop_on_first_output):
+        def decode_round(params, state, stop_on_finish, step_limit, stop_on_first_output,
+                         interrupt_channel):
             history_at_start = state.history
             state, logs, ran = decoding.decode_round(nnx.merge(graphdef, params), state,
                                                      settings, max_steps, stop_on_finish,
-                                                     step_limit, stop_on_first_output)
+                                                     step_limit, stop_on_first_output,
+                                                     interrupt_channel)
             return state, decoding.pack_round(state, logs, ran, history_at_start), ran
 
         return _jit(decode_round, platform)

@@ -192,7 +192,8 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
     decode_round = compilation.decode_round_program(
         "tpu", graphdef, step, target.generation.steps_per_round, target.slots, target.positions)
     result = tpu.compile_program(mesh, decode_round, params, state, replicated((), jnp.bool_),
-                                 replicated((), jnp.int32), replicated((), jnp.bool_))
+                                 replicated((), jnp.int32), replicated((), jnp.bool_),
+                                 replicated((), jnp.int32))
     yield ProgramReport("decode round", result, decode_flops_range(target)[0], target.hbm_bytes,
                         kept)
 

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from focus_jax import sharding
+from focus_jax import interrupts, sharding
 from focus_jax.cache import KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
@@ -62,6 +62,8 @@ class DecodeSettings:
     """The mesh the state lives on. Where its ``data`` axis splits the slots, each data shard
     runs the step on its own slots (its own compaction and buckets; the ladders count one
     shard's rows)."""
+    interruptible: bool = False
+    """The round asks the host after every step whether to end (:mod:`focus_jax.interrupts`)."""
 
 
 @jax.tree_util.register_dataclass
@@ -477,13 +479,16 @@ def _finish_blocks(state: DecodeState, completed: Bool[Array, "s"],
 def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, max_steps: int,
                  stop_on_finish: Bool[Array, ""], step_limit: Int[Array, ""],
                  stop_on_first_output: Bool[Array, ""] | bool = False,
+                 interrupt_channel: Int[Array, ""] | int = interrupts.NO_CHANNEL,
                  ) -> tuple[DecodeState, StepLog, Int[Array, ""]]:
     """Run up to ``step_limit`` (at most ``max_steps``) steps in one
     ``lax.while_loop``: until no slot is live, or (with ``stop_on_finish``) as soon as some
     request finishes so its slot can be refilled, or (with ``stop_on_first_output``) as soon as
     some request commits the first block holding output, so that it can be streamed at once.
     ``step_limit`` and both switches are run-time values: rounds of any length up to
-    ``max_steps`` share one compiled program.
+    ``max_steps`` share one compiled program. With ``settings.interruptible`` the round also
+    ends after any step once the host sets the interrupt of ``interrupt_channel``
+    (:mod:`focus_jax.interrupts`); it runs at least one step.
 
     Returns the state, the per-step logs ``[max_steps, ...]`` (rows past the steps run are
     zeros) and the number of steps run.
@@ -503,6 +508,8 @@ def decode_round(model: Decoder, state: DecodeState, settings: DecodeSettings, m
         first_output = (no_output_at_start
                         & (~state.live | (state.history > state.prompt_len))).any()
         stop = (stop_on_finish & someone_finished) | (stop_on_first_output & first_output)
+        if settings.interruptible:
+            stop |= (i > 0) & interrupts.requested(jnp.asarray(interrupt_channel, jnp.int32))
         return (i < limit) & state.live.any() & ~stop
 
     def one_step(carry):

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from focus_jax import compilation, decoding, sharding
+from focus_jax import compilation, decoding, interrupts, sharding
 from focus_jax.config import ConfigError
 from focus_jax.distributed import to_host
 from focus_jax.engine.params import slot_params_rows
@@ -100,6 +100,8 @@ class Runner:
                                                        steps_per_round, slots, cache_len)
         self._release = compilation.release_program
         self._platform = platform
+        self.interrupt = interrupts.Interrupt() if settings.interruptible else None
+        """Ends a running round after its current step when set (interruptible rounds)."""
         self._starter_round: Callable | None = None
         """After a lazy warm-up, the round run until the full one has compiled."""
         self._compiling: concurrent.futures.Future | None = None
@@ -169,8 +171,9 @@ class Runner:
         """The decode round's arguments (the step limit and the stop switches are run-time
         values: one program)."""
         limit = self.steps_per_round if steps is None else steps
+        channel = interrupts.NO_CHANNEL if self.interrupt is None else self.interrupt.channel
         return (self.model.params, self.state, np.asarray(stop_on_finish), np.int32(limit),
-                np.asarray(stop_on_first_output))
+                np.asarray(stop_on_first_output), np.int32(channel))
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its
