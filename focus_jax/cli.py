@@ -459,6 +459,16 @@ SERVE_CONTEXT = 4096
 """The server's default context (cache positions per slot) when the model allows more."""
 
 
+def _free_slot_round_steps(args: argparse.Namespace) -> int:
+    """Rounds while a slot is free: short ones only admit arrivals sooner, which round
+    interrupts do at the next step anyway; longer ones spend less time between rounds
+    (docs/serving.md, "Round interrupts")."""
+    if args.free_slot_round_steps is not None:
+        return args.free_slot_round_steps
+    return (GenerationConfig.steps_per_round if args.round_interrupts
+            else GenerationConfig.free_slot_round_steps)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from focus_jax.engine import AsyncEngine, Engine
     from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
@@ -482,7 +492,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= context <= positions:
         raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
                           f"max_position_embeddings), got {context}")
-    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder))
+    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder),
+                              interruptible_rounds=args.round_interrupts,
+                              free_slot_round_steps=_free_slot_round_steps(args))
     engine = Engine(model, config, slots=args.max_batch, cache_len=context, mesh=mesh)
     name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
     print(f"focus-jax serve: compiling every program for {args.max_batch} slots x {context} "
@@ -697,6 +709,13 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                           "(fewer: faster warm-up, more padding)")
     srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     _add_kernels_option(srv)
+    srv.add_argument("--round-interrupts", action=argparse.BooleanOptionalAction, default=True,
+                     help="end a running decode round at the next step when a request arrives "
+                          "for a free slot (default: on)")
+    srv.add_argument("--free-slot-round-steps", type=int, default=None,
+                     help="steps per round while a slot is free and nothing waits (default: "
+                          f"{GenerationConfig.steps_per_round} with round interrupts, which admit "
+                          f"arrivals at once, else {GenerationConfig.free_slot_round_steps})")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish on SIGTERM before they are aborted")
     srv.add_argument("--mesh", default=None,

@@ -279,6 +279,12 @@ class GenerationConfig:
     meanwhile waits at most this many steps to be admitted (instead of a whole round). The
     same compiled round runs both lengths."""
 
+    interruptible_rounds: bool = False
+    """Rounds ask the host after every step whether to end (a host callback in the round's loop,
+    :mod:`focus_jax.interrupts`), so a request that arrives while a slot is free is admitted at
+    the next step rather than when the round ends (servers: :class:`~focus_jax.engine.AsyncEngine`
+    sets the flag). One process only."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")

@@ -43,6 +43,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
             command += ["--bucket-ladder", args.bucket_ladder]
         if args.kernels:
             command += ["--kernels", args.kernels]
+        command += args.server_arg
         return command, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
     command = [sys.executable, "-m", "lmdeploy", "serve", "api_server", str(args.model_dir),
                "--backend", "pytorch", "--server-name", "127.0.0.1", "--server-port", str(args.port),
@@ -88,6 +89,8 @@ def main() -> int:
                              "its text is tokenized again) plus 256 new tokens")
     parser.add_argument("--bucket-ladder", default=None, help="focus-jax only")
     parser.add_argument("--kernels", default=None, help="focus-jax only")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="focus-jax only: one more argument for `focus-jax serve` (repeat)")
     parser.add_argument("--cache-max-entry-count", type=float, default=0.5, help="lmdeploy only")
     parser.add_argument("--rates", default="2,4,12,inf", help="requests/s, comma-separated")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -116,6 +119,7 @@ def main() -> int:
                                           warmup_requests=args.warmup_requests if index == 0 else 0))
             row = {"server": args.server, "mode": args.mode if args.server == "focus-jax" else None,
                    "max_batch": args.max_batch, "max_model_len": args.max_model_len,
+                   "server_args": args.server_arg,
                    "start_seconds": started, **report}
             print(f"{args.server} {row['mode'] or ''} bs{args.max_batch} rate {report['rate']}: "
                   f"{report['output_tokens_per_second']:.1f} tok/s, first block p50 "

@@ -164,7 +164,8 @@ def test_async_engine_serves_32_concurrent_consumers_each_its_own_output(bundled
         return outputs[-1]
 
     async def main():
-        engine = AsyncEngine(bundled_engine(bundled))
+        # As the server runs it: arrivals for free slots interrupt the running round.
+        engine = AsyncEngine(bundled_engine(bundled, interruptible_rounds=True))
         try:
             return await asyncio.wait_for(
                 asyncio.gather(*(consume(engine, p) for p in prompts)), timeout=300)
@@ -315,6 +316,50 @@ def test_a_short_round_ends_as_soon_as_a_request_has_its_first_output(model):
     results = run_to_completion(engine)
     assert results[rid].token_ids == run_to_completion_of(model, CONFIG.replace(max_new_tokens=24),
                                                           [prompt])[0]
+
+
+def test_a_set_interrupt_ends_the_round_after_one_step_and_changes_no_token(model):
+    """With interruptible rounds, a round that finds its interrupt set runs one step (never
+    none); cleared, rounds run their length again. The same compiled round serves both, and the
+    tokens do not depend on where rounds end."""
+    config = CONFIG.replace(steps_per_round=8, free_slot_round_steps=8, max_new_tokens=24,
+                            interruptible_rounds=True)
+    prompts = random_prompts(2, 128, 6, 6, seed=23)
+    engine = Engine(model, config, slots=2, cache_len=64)
+    engine.warmup()
+    interrupt = engine.round_interrupt
+    with count_compilations() as compiled:
+        rids = [engine.add_request(p) for p in prompts]
+        interrupt.set()
+        rounds = []
+        for _ in range(3):
+            before = engine.stats.steps
+            engine.step()
+            rounds.append(engine.stats.steps - before)
+        interrupt.clear()
+        before = engine.stats.steps
+        engine.step()
+        whole = engine.stats.steps - before
+        results = run_to_completion(engine)
+    assert compiled.programs == 0
+    assert rounds == [1, 1, 1] and whole == 8  # both slots busy: whole rounds
+    reference = run_to_completion_of(model, CONFIG.replace(max_new_tokens=24), prompts)
+    assert [results[rid].token_ids for rid in rids] == reference
+
+
+def test_rounds_without_interrupts_have_none_and_interrupts_are_released():
+    import gc
+
+    from focus_jax import interrupts
+
+    interrupt = interrupts.Interrupt()
+    channel = interrupt.channel
+    assert channel != interrupts.NO_CHANNEL and channel in interrupts._FLAGS
+    interrupt.set()
+    assert bool(interrupts._is_set(channel)) and not bool(interrupts._is_set(interrupts.NO_CHANNEL))
+    del interrupt
+    gc.collect()
+    assert channel not in interrupts._FLAGS and not bool(interrupts._is_set(channel))
 
 
 def run_to_completion_of(model, config, prompts):

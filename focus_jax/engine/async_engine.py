@@ -2,7 +2,9 @@
 
 ``async for out in engine.generate(prompt_ids, params)`` yields each committed block of one
 request. Requests and aborts reach the loop through an inbox (the loop owns the engine; no
-lock is held while the device works), outputs come back to each consumer's event loop.
+lock is held while the device works), outputs come back to each consumer's event loop. An
+engine with ``interruptible_rounds`` has its running round end at the next step when a request
+arrives that a free slot can take, or an abort frees a slot that a waiting request needs.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._inbox.put(("add", rid, ids, resolved, stream))
         self._wake.set()
+        if self._submitted <= self.engine.slots:  # a slot is free for it: take it in at once
+            self._interrupt_round()
         finished = False
         try:
             while True:
@@ -115,6 +119,8 @@ class AsyncEngine:
         """End a request (its consumer gets a last output with ``finish_reason="abort"``)."""
         self._inbox.put(("abort", request_id))
         self._wake.set()
+        if self._submitted > self.engine.slots:  # requests wait for the slot it frees
+            self._interrupt_round()
 
     async def shutdown(self, grace_seconds: float = 30.0) -> None:
         """Stop taking requests; running and waiting ones may finish within ``grace_seconds``,
@@ -122,6 +128,7 @@ class AsyncEngine:
         self._closing = True
         self._deadline = time.monotonic() + grace_seconds
         self._wake.set()
+        self._interrupt_round()
         await asyncio.to_thread(self._thread.join, grace_seconds + 30.0)
         if self._thread.is_alive():
             log.warning("the engine's loop did not stop within the grace period")
@@ -131,10 +138,18 @@ class AsyncEngine:
         """The step loop is alive."""
         return self._thread.is_alive()
 
+    def _interrupt_round(self) -> None:
+        """End the running round after its current step (interruptible rounds only)."""
+        if self.engine.round_interrupt is not None:
+            self.engine.round_interrupt.set()
+
     # ----------------------------------------------------------------------------- the loop
     def _loop(self) -> None:
         engine = self.engine
         while True:
+            # Cleared before the inbox is read: what arrives later sets it for the next round.
+            if engine.round_interrupt is not None:
+                engine.round_interrupt.clear()
             self._drain_inbox()
             if self._closing and self._deadline is not None and time.monotonic() > self._deadline:
                 self._abort_everything()

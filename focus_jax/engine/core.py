@@ -26,6 +26,7 @@ from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunS
 from focus_jax.engine.params import RequestError, SamplingParams
 from focus_jax.engine.runner import Runner, default_prefill_batch, slot_positions
 from focus_jax.engine.scheduler import Request, Scheduler
+from focus_jax.interrupts import Interrupt
 from focus_jax.model import Model
 from focus_jax.policies import Policies
 from focus_jax.prompts import token_ids
@@ -92,6 +93,12 @@ class Engine:
     def state(self) -> decoding.DecodeState:
         """The decode state on the device (owned by the runner)."""
         return self.runner.state
+
+    @property
+    def round_interrupt(self) -> Interrupt | None:
+        """With ``interruptible_rounds``: the flag that ends a running round after its current
+        step (thread-safe; its owner clears it before taking new requests in), else None."""
+        return self.runner.interrupt
 
     @property
     def num_waiting(self) -> int:
@@ -236,6 +243,9 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
     block = config.block_size
     if config.kernels is not None and (why := unusable(config.kernels, platform)):
         raise ConfigError(why)
+    if config.interruptible_rounds and jax.process_count() > 1:
+        raise ConfigError("interruptible_rounds needs a single process: the processes of a "
+                          "multi-process run must end every round at the same step")
     # Each data shard compacts its own slots' rows (decoding.step).
     data_shards = mesh.shape["data"] if mesh is not None else 1
     ladder = bucket_ladder(slots // data_shards * block, config.ladder_for(platform))
@@ -245,7 +255,8 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
                                  config.kernels, mesh)
     return decoding.DecodeSettings(block_size=block, mask_token_id=mask_token_id,
                                    policies=policies, processed_ladder=ladder,
-                                   retained_ladder=ladder, kernels=config.kernels, mesh=mesh)
+                                   retained_ladder=ladder, kernels=config.kernels, mesh=mesh,
+                                   interruptible=config.interruptible_rounds)
 
 
 def _token_ids(prompt: Sequence[int], vocab: int) -> list[int]:
