@@ -178,6 +178,40 @@ def test_async_engine_serves_32_concurrent_consumers_each_its_own_output(bundled
         assert final.text == expected[rid].text
 
 
+def test_arrivals_interrupt_the_round_only_while_a_slot_is_free(model):
+    """The server's engine ends the running round for an arrival that a free slot can take, not
+    for one that must wait anyway; the outputs are those of an engine without interrupts."""
+    prompts = random_prompts(3, 128, 6, 6, seed=24)
+    config = CONFIG.replace(max_new_tokens=8)
+    expected = run_to_completion_of(model, config, prompts)
+
+    class Recording(AsyncEngine):
+        submitted_at_interrupts: list[int]
+
+        def _interrupt_round(self):
+            self.submitted_at_interrupts.append(self._submitted)
+            super()._interrupt_round()
+
+    async def main():
+        engine = Recording(Engine(model, config.replace(interruptible_rounds=True), slots=2,
+                                  cache_len=64))
+        engine.submitted_at_interrupts = []
+
+        async def consume(prompt):
+            return [out async for out in engine.generate(prompt)][-1].token_ids
+
+        try:
+            outputs = await asyncio.wait_for(asyncio.gather(*(consume(p) for p in prompts)),
+                                             timeout=300)
+            return outputs, list(engine.submitted_at_interrupts)
+        finally:
+            await engine.shutdown(grace_seconds=5)
+
+    outputs, interrupts = asyncio.run(main())
+    assert outputs == expected
+    assert interrupts == [1, 2]  # the third arrival found both slots taken
+
+
 def test_a_consumer_that_stops_early_frees_its_slot_and_disturbs_no_other(bundled):
     from focus_jax.api import encode_prompt
 
