@@ -27,6 +27,9 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
     # The bundled bfloat16 model on a data=2 mesh, where FOCUS turns any difference of one
     # rounding in layers 0-1 into other tokens.
     assert [r.pop("bundled_focus_equal") for r in rows if "bundled_focus_equal" in r] == [True]
+    # The server's round interrupts (a host callback in the round's loop) on a 2x4 mesh.
+    assert [r.pop("interrupted") for r in rows if "interrupted" in r] == [
+        {"steps": [1, 1, 1], "equal": True}]
     rows = [r for r in rows if r]
     # Data parallel: no activations cross devices inside the step (before each shard stepped
     # its own slots, a data=2 round of the tiny model held 75 all-reduces and 22 all-gathers);

@@ -40,7 +40,31 @@ def main() -> None:
     # Sampling: every data shard draws with the keys of the rows' global positions.
     compare("focus", temperature=0.8, meshes=((8, 1),))
     print(json.dumps({"bundled_focus_equal": compare_bundled()}), flush=True)
+    print(json.dumps({"interrupted": compare_interrupted()}), flush=True)
     print(json.dumps({"collectives": data_parallel_collectives()}), flush=True)
+
+
+def compare_interrupted() -> dict[str, object]:
+    """The server's interruptible rounds on a data=2, model=4 mesh (the host callback in the
+    round's loop): a set interrupt ends rounds after one step, and the tokens are unchanged."""
+    model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
+    prompts = random_prompts(8, 128, 2, 14, seed=31)
+    config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
+                              max_new_tokens=8, stop_token_ids=(), max_batch=8,
+                              bucket_ladder=(0.25, 0.5, 1.0))
+    single = [r.token_ids for r in generate(model, prompts, config)]
+    engine = Engine(model, config.replace(interruptible_rounds=True), slots=8, cache_len=32,
+                    mesh=make_mesh(2, 4))
+    ids = [engine.add_request(p) for p in prompts]
+    engine.round_interrupt.set()
+    steps = []
+    for _ in range(3):
+        before = engine.stats.steps
+        engine.step()
+        steps.append(engine.stats.steps - before)
+    engine.round_interrupt.clear()
+    results = run_to_completion(engine)
+    return {"steps": steps, "equal": [results[i].token_ids for i in ids] == single}
 
 
 def data_parallel_collectives() -> dict[str, int]:
