@@ -13,8 +13,9 @@ which XLA compiles with the program, so the kernels around it can stay in one co
 ``min(rows, slots)`` long (:func:`occupied_slots`: the most slots the bucket's rows can occupy)
 and lists the slots that have rows; with few rows (a lightly loaded engine: 8 requests in 256
 slots) that is far fewer programs than one per slot, of which nearly all would find no rows.
-Each occupied slot's cache walk is then shared by up to :data:`MAX_KV_SPLITS` programs
-(:func:`default_kv_splits`: no more programs than one per slot in all), which write
+In buckets of at most :data:`SPLIT_MAX_ROWS` rows each occupied slot's cache walk is then
+shared by up to :data:`MAX_KV_SPLITS` programs (:func:`default_kv_splits`: no more programs
+than one per slot in all; larger buckets measured faster unsplit), which write
 unnormalised partial results (accumulator, running maximum and sum) that a small XLA merge
 combines. A split over every slot's programs was measured and removed (docs/kernels.md): it
 multiplied the empty programs.
@@ -42,6 +43,11 @@ NEG_INF = -1e30
 
 MAX_KV_SPLITS = 4
 """The most programs that share one slot's cache walk (:func:`default_kv_splits`)."""
+SPLIT_MAX_ROWS = 32
+"""Buckets of at most this many rows split each occupied slot's cache walk; larger ones walk
+it in one program. Measured on the H200 with 8 or 16 live slots of 256 (docs/kernels.md,
+"A grid over the occupied slots only"): split, buckets of 16 and 32 rows took 16.1 and 21.4 us
+against 18.5 and 24.9 unsplit; buckets of 64 and 128 took 32-39 us against 26-33."""
 
 
 def occupied_slots(rows: int, slots: int) -> int:
@@ -51,9 +57,11 @@ def occupied_slots(rows: int, slots: int) -> int:
 
 
 def default_kv_splits(rows: int, slots: int) -> int:
-    """Programs per occupied slot (:func:`occupied_slots`) sharing its cache walk: as many as
-    keep the grid no larger than one program per slot, at most :data:`MAX_KV_SPLITS` (1 for
-    buckets of half the slots or more)."""
+    """Programs per occupied slot (:func:`occupied_slots`) sharing its cache walk: for buckets
+    of at most :data:`SPLIT_MAX_ROWS` rows, as many as keep the grid no larger than one program
+    per slot, at most :data:`MAX_KV_SPLITS`; 1 for larger buckets."""
+    if rows > SPLIT_MAX_ROWS:
+        return 1
     return max(1, min(MAX_KV_SPLITS, slots // occupied_slots(rows, slots)))
 
 
