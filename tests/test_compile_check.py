@@ -25,10 +25,11 @@ TINY = tiny_config(num_heads=8, num_kv_heads=4, dtype="bfloat16", block_size=8)
 SHORT_LADDER = (0.5, 1.0)
 
 
-def decode_round(mode: str, topology: str, mesh: str | None, kernels: str):
+def decode_round(mode: str, topology: str, mesh: str | None, kernels: str, **generation):
     target = compile_check.make_target(
         TINY, topology, slots=16, positions=64, mesh=mesh, prompt_lengths=(),
-        generation=GenerationConfig(mode=mode, kernels=kernels, bucket_ladder=SHORT_LADDER))
+        generation=GenerationConfig(mode=mode, kernels=kernels, bucket_ladder=SHORT_LADDER,
+                                    **generation))
     [report] = compile_check.check(target)
     return report
 
@@ -44,6 +45,13 @@ def test_tiny_decode_round_with_tpu_kernels_compiles_for_one_v5e_chip_and_a_2x4_
     # Slots over data and heads over model: each chip of the mesh holds a fraction of the
     # weights and the cache that one chip holds alone.
     assert eight.result.memory.arguments < one.result.memory.arguments / 2
+
+
+@needs_libtpu
+def test_the_servers_interruptible_round_compiles_for_a_v5e_chip():
+    """``focus-jax serve`` runs interruptible rounds: a host callback in the round's loop."""
+    report = decode_round("focus", "v5e:1x1", None, "pallas_tpu", interruptible_rounds=True)
+    assert report.result.compiled, report.result.error
 
 
 @needs_libtpu
