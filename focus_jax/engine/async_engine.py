@@ -139,17 +139,16 @@ class AsyncEngine:
         return self._thread.is_alive()
 
     def _interrupt_round(self) -> None:
-        """End the running round after its current step (interruptible rounds only)."""
-        if self.engine.round_interrupt is not None:
-            self.engine.round_interrupt.set()
+        """End the running round after its current step (interruptible rounds; otherwise the
+        flag is never read)."""
+        self.engine.round_interrupt.set()
 
     # ----------------------------------------------------------------------------- the loop
     def _loop(self) -> None:
         engine = self.engine
         while True:
             # Cleared before the inbox is read: what arrives later sets it for the next round.
-            if engine.round_interrupt is not None:
-                engine.round_interrupt.clear()
+            engine.round_interrupt.clear()
             self._drain_inbox()
             if self._closing and self._deadline is not None and time.monotonic() > self._deadline:
                 self._abort_everything()

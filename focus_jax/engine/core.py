@@ -95,9 +95,10 @@ class Engine:
         return self.runner.state
 
     @property
-    def round_interrupt(self) -> Interrupt | None:
-        """With ``interruptible_rounds``: the flag that ends a running round after its current
-        step (thread-safe; its owner clears it before taking new requests in), else None."""
+    def round_interrupt(self) -> Interrupt:
+        """The flag that ends a running round after its current step (thread-safe; its owner
+        clears it before taking new requests in). Rounds read it only with
+        ``interruptible_rounds``; otherwise setting it changes nothing."""
         return self.runner.interrupt
 
     @property

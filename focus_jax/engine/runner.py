@@ -100,8 +100,9 @@ class Runner:
                                                        steps_per_round, slots, cache_len)
         self._release = compilation.release_program
         self._platform = platform
-        self.interrupt = interrupts.Interrupt() if settings.interruptible else None
-        """Ends a running round after its current step when set (interruptible rounds)."""
+        self.interrupt = interrupts.Interrupt()
+        """Ends a running round after its current step when set (read by interruptible rounds
+        only: ``settings.interruptible``)."""
         self._starter_round: Callable | None = None
         """After a lazy warm-up, the round run until the full one has compiled."""
         self._compiling: concurrent.futures.Future | None = None
@@ -171,9 +172,8 @@ class Runner:
         """The decode round's arguments (the step limit and the stop switches are run-time
         values: one program)."""
         limit = self.steps_per_round if steps is None else steps
-        channel = interrupts.NO_CHANNEL if self.interrupt is None else self.interrupt.channel
         return (self.model.params, self.state, np.asarray(stop_on_finish), np.int32(limit),
-                np.asarray(stop_on_first_output), np.int32(channel))
+                np.asarray(stop_on_first_output), np.int32(self.interrupt.channel))
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this runner's model, settings and state (to inspect its
