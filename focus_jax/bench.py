@@ -8,6 +8,7 @@ wall time of the whole run (prompt tokens not counted), after warm-up compilatio
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import time
@@ -49,6 +50,17 @@ def random_model(name: str, seed: int = 0, dtype: str = "bfloat16") -> Model:
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed))))
     params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))))()
     return Model(cfg, graphdef, params, None, stop_token_ids=())
+
+
+def add_light_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The light-load setting's command-line options (:func:`light_load`), for the scripts
+    that measure it: ``--geometry``, ``--batch`` (slots), ``--requests``, ``--cache-len`` and
+    ``--kernels``."""
+    parser.add_argument("--geometry", default="sdar-8b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--cache-len", type=int, default=1536)
+    parser.add_argument("--kernels", default=None)
 
 
 def light_load(geometry: str, slots: int, requests: int, cache_len: int,

@@ -39,13 +39,9 @@ REPEATS = 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--geometry", default="sdar-8b")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--requests", type=int, default=8)
+    bench.add_light_load_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--cache-len", type=int, default=1536)
     parser.add_argument("--mode", default="focus")
-    parser.add_argument("--kernels", default=None)
     parser.add_argument("--ladder", default=None, help="bucket ladder fractions, comma-separated")
     parser.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
                         help="set or override one of compilation.GPU_COMPILER_OPTIONS (repeat)")

@@ -42,11 +42,7 @@ def events(trace_dir: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--geometry", default="sdar-8b")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--cache-len", type=int, default=1536)
-    parser.add_argument("--kernels", default=None)
+    bench.add_light_load_arguments(parser)
     parser.add_argument("--round-steps", type=int, default=4)
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--out", default="trace")
