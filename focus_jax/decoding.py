@@ -32,6 +32,7 @@ from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
 from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, kernel
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
+from pallas_kernels.ragged_attention.reference import SlotLayout, slot_layout
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "RoundResults",
            "SlotParams", "StepLog", "decode_round", "init_state", "pack_round", "packed_width",
@@ -266,14 +267,8 @@ def _step(model: Decoder, state: DecodeState,
                                               kv_len=state.history + _rightmost(processed) + 1)
 
     if policies.eviction.evicts:
-        def blocks(a: Array) -> Array:
-            return processed_rows.to_flat(a).reshape(s, b, *a.shape[1:])
-
-        avg = jnp.where(state.block_steps > 0,
-                        state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
-        retained = policies.eviction.retained(
-            processed, masked, tuple(blocks(a) for a in first_layers), state.progress, avg,
-            state.params.alpha)
+        retained = _retained(policies.eviction, state, processed, masked, processed_rows,
+                             first_layers, _slot_ladder(settings.processed_ladder, b))
         # Retained rows are processed rows: re-order x and layer 1's queries to their compaction.
         retained_rows = Compaction(retained.reshape(flat), settings.retained_ladder)
         reorder = processed_rows.inverse[retained_rows.rows]
@@ -314,6 +309,39 @@ def _step(model: Decoder, state: DecodeState,
     return state, log
 
 
+def _slot_ladder(row_ladder: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    """Bucket sizes for a compaction of slots: the row ladder's buckets in whole blocks (the
+    last one every slot)."""
+    return tuple(sorted({-(-rows // block_size) for rows in row_ladder}))
+
+
+def _retained(eviction, state: DecodeState, processed: Bool[Array, "s b"],
+              masked: Bool[Array, "s b"], processed_rows: Compaction,
+              first_layers: tuple[Array, ...], ladder: tuple[int, ...]) -> Bool[Array, "s b"]:
+    """The eviction policy's retained tokens, computed for the slots that can evict only.
+
+    Only a slot with masked processed tokens can evict any (the policy keeps every other
+    processed token), and a lightly loaded engine has few such slots: 8 requests in 256 slots
+    computed the importance of 256 blocks per layer, on queries gathered from all 8,192 rows.
+    Those slots are compacted into the smallest bucket of ``ladder`` that holds them; their
+    blocks' queries and keys (``first_layers``: q0, k0, q1, k1 in the processed rows' compact
+    order) are gathered per slot and the policy runs on ``[bucket, B]``. Slots are independent
+    in the policy, so the result is the same as over all slots."""
+    s, b = processed.shape
+    evicting = (processed & masked).any(axis=-1)
+    avg = jnp.where(state.block_steps > 0,
+                    state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
+
+    def work(slot: Int[Array, "n"], valid: Bool[Array, "n"]) -> Bool[Array, "s b"]:
+        at = processed_rows.inverse[slot[:, None] * b + jnp.arange(b)]  # [n, b] compact rows
+        keep = eviction.retained(processed[slot] & valid[:, None], masked[slot],
+                                 tuple(a[at] for a in first_layers), state.progress[slot],
+                                 avg[slot], state.params.alpha[slot])
+        return jnp.zeros((s, b), bool).at[jnp.where(valid, slot, s)].set(keep, mode="drop")
+
+    return jnp.where(evicting[:, None], Compaction(evicting, ladder).run(work), processed)
+
+
 class _Layers:
     """The model's work in one step, on compacted rows of the flat ``S*B`` token axis.
 
@@ -335,13 +363,17 @@ class _Layers:
         """The slot each row writes its KV to; padding rows (and rows not kept) write nothing."""
         return jnp.where(valid, self.slot_of_row[rows], self.slots)
 
-    def _attend_and_finish_rows(self, layer_index, rows, valid, x, q, cache: KVCache, kv_len):
-        """The second half of a layer for a bucket's rows (padding rows pass through)."""
+    def _attend_and_finish_rows(self, layer_index, rows, valid, x, q, cache: KVCache, kv_len,
+                                layout: SlotLayout | None = None):
+        """The second half of a layer for a bucket's rows. Padding rows come out with values
+        nobody reads: only kept rows are read after a layer (the next layer's kept rows, the
+        eviction's processed ones, the head's candidates), and no row writes the cache here.
+        ``layout``: the rows' slot layout, if computed once for several layers."""
         attention = kernel(ragged_attention, ragged_attention_sharded, self.settings.kernels,
                            self.settings.mesh)
         attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
-                         block_size=self.block_size)
-        return jnp.where(valid[:, None], self.model.layer(layer_index).finish(x, attn), x)
+                         block_size=self.block_size, layout=layout)
+        return self.model.layer(layer_index).finish(x, attn)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
     # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
@@ -382,6 +414,8 @@ class _Layers:
         def later_layers(rows, valid, carry):
             x, cache = carry
             row_position, target = self.position[rows], self._cache_target(rows, valid)
+            # Every layer attends with the same rows: their slot layout is derived once.
+            layout = slot_layout(rows, valid, self.slots, self.block_size)
 
             # The layer index is the loop counter, not an element of a scanned arange: XLA's GPU
             # dynamic-slice fusion (on with compilation.GPU_COMPILER_OPTIONS), which lets the GEMMs
@@ -392,7 +426,7 @@ class _Layers:
                 q, k, v = self.model.layer(layer_index).qkv(h, row_position)
                 cache = cache.write(layer_index, target, row_position, k, v)
                 return self._attend_and_finish_rows(layer_index, rows, valid, h, q, cache,
-                                                    kv_len), cache
+                                                    kv_len, layout), cache
 
             h, cache = jax.lax.fori_loop(2, self.model.config.num_layers, layer,
                                          (x[:rows.shape[0]], cache),

@@ -43,14 +43,14 @@ def main() -> None:
     layer, block_n = 1, 16
     want = np.asarray(reference.ragged_attention(*map(jnp.asarray, (q, rows, valid, k, v)), layer,
                                                  jnp.asarray(kv_len), block_size=block))
-    group, first_row, row_count, block_m = reference.gpu_layout(
+    group, layout, block_m = reference.gpu_layout(
         *map(jnp.asarray, (q, rows, valid, k, v)), block, reference.BLOCK_M)
 
     def tensor(a) -> torch.Tensor:
         return torch.from_numpy(np.array(a))
 
-    operands = [tensor(a) for a in (q, k, v, np.asarray(first_row, np.int32),
-                                    np.asarray(row_count, np.int32), kv_len, [layer])]
+    operands = [tensor(a) for a in (q, k, v, np.asarray(layout.first_row, np.int32),
+                                    np.asarray(layout.row_count, np.int32), kv_len, [layer])]
     sizes = dict(SLOTS=slots, POSITIONS=positions, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=d,
                  BLOCK_M=block_m, BLOCK_N=block_n, SCALE=d ** -0.5, PRECISION="ieee")
     tiles = triton.cdiv(block * group, block_m)

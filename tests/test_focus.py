@@ -1,5 +1,6 @@
 """The FOCUS policy against the NumPy reference, and eviction inside the decode step."""
 
+import dataclasses
 import functools
 
 import jax
@@ -153,3 +154,53 @@ def test_focus_skips_layers_for_evicted_tokens(model):
     processed = sum(sum(r.stats.processed_per_step) for r in results)
     retained = sum(sum(r.stats.retained_per_step) for r in results)
     assert retained < processed
+
+
+@pytest.mark.parametrize("live", [0, 1, 3, 16])
+def test_eviction_on_the_evicting_slots_alone_equals_eviction_over_every_slot(live):
+    """The step runs the eviction policy on the slots that have masked processed tokens,
+    compacted into a slot bucket, with their queries and keys gathered from the processed rows'
+    compact order. It must retain exactly what the policy retains over every slot's block."""
+    from focus_jax import decoding
+    from focus_jax.compaction import Compaction
+    from focus_jax.policies import FocusEviction
+    from focus_jax.testing import tiny_model
+
+    rng = np.random.default_rng(live)
+    slots, b, heads, kv_heads, d = 16, 8, 4, 2, 16
+    cfg = tiny_model(block_size=b).config
+    state = decoding.init_state(cfg, slots, 4 * b, b, 0)
+    active = np.zeros(slots, bool)
+    active[rng.choice(slots, live, replace=False)] = True
+    masked = (rng.uniform(size=(slots, b)) < 0.8) & active[:, None]
+    processed = (masked | (rng.uniform(size=(slots, b)) < 0.3)) & active[:, None]
+    state = dataclasses.replace(
+        state, progress=jnp.asarray(rng.integers(b // 2, b, slots), jnp.int32),
+        block_steps=jnp.asarray(rng.integers(0, 3, slots), jnp.int32),
+        block_decoded=jnp.asarray(rng.integers(0, 5, slots), jnp.int32),
+        params=dataclasses.replace(state.params,
+                                   alpha=jnp.asarray(rng.choice([1.0, 1.5], slots),
+                                                     jnp.float32)))
+    rows = Compaction(jnp.asarray(processed.reshape(-1)), (slots * b,))
+    count = int(processed.sum())
+    # The first layers' queries and keys in compact order: the processed rows first, then
+    # padding (what the step hands on).
+    shapes = [(heads, d), (kv_heads, d), (heads, d), (kv_heads, d)]
+    first_layers = tuple(
+        jnp.asarray(np.concatenate([rng.normal(size=(count, *shape)),
+                                    np.zeros((slots * b - count, *shape))]), jnp.float32)
+        for shape in shapes)
+    eviction = FocusEviction(kernels="xla")
+
+    got = decoding._retained(eviction, state, jnp.asarray(processed), jnp.asarray(masked), rows,
+                             first_layers, (2, 4, 8, slots))
+    avg = jnp.where(state.block_steps > 0,
+                    state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
+    want = eviction.retained(
+        jnp.asarray(processed), jnp.asarray(masked),
+        tuple(rows.to_flat(a).reshape(slots, b, *a.shape[1:]) for a in first_layers),
+        state.progress, avg, state.params.alpha)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not (np.asarray(got) & ~processed).any()
+    if live:
+        assert (np.asarray(got) != processed).any()  # something was evicted

@@ -90,6 +90,10 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl,
     options = {"block_kv": 64} if impl.startswith("pallas_tpu") else {}
     got = ragged_attention(*args, block_size=block, impl=impl, **options)
     want = attention_reference.ragged_attention(*args, block_size=block)
+    if not impl.endswith("interpret"):  # the rows' slot layout computed by the caller
+        layout = attention_reference.slot_layout(rows, valid, slots, block)
+        given = ragged_attention(*args, block_size=block, impl=impl, layout=layout, **options)
+        np.testing.assert_array_equal(np.asarray(given), np.asarray(got))
     valid = np.asarray(valid)
     assert valid.sum() > 0 and (~valid).sum() > 0
     got, want = (np.asarray(a.astype(jnp.float32)) for a in (got, want))
@@ -123,7 +127,13 @@ def test_pallas_triton_attention_over_occupied_slots_matches_reference(impl, occ
     rows, valid = rows[:size], jnp.arange(size) < count
     q = jnp.asarray(rng.normal(size=(size, kv_heads * group, head_dim)), jnp.float32)
     args = (q, rows, valid, *cache, 1, kv_len)
-    got = ragged_attention(*args, block_size=block, impl=impl, kv_splits=kv_splits)
+    # The rows' slot layout as a caller that attends in several layers computes it once.
+    layout = attention_reference.slot_layout(rows, valid, slots, block)
+    assert np.asarray(layout.occupied).tolist() == (
+        [3, 9, 15] + [slots] * (len(layout.occupied) - 3) if occupancy == "few"
+        else [0, 5, 6, 11, 14])
+    got = ragged_attention(*args, block_size=block, impl=impl, kv_splits=kv_splits,
+                           layout=layout)
     want = attention_reference.ragged_attention(*args, block_size=block)
     valid = np.asarray(valid)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5,

@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import sharding
 from pallas_kernels.dispatch import choose, implementations
+from pallas_kernels.ragged_attention.reference import SlotLayout
 
 IMPLS = implementations("pallas_kernels.ragged_attention", "ragged_attention")
 
@@ -32,6 +33,7 @@ def ragged_attention_sharded(mesh: Mesh | AbstractMesh | None, q: Float[Array, "
                              v_cache: Float[Array, "layers s m kvh d"],
                              layer: Int[Array, ""] | int, kv_len: Int[Array, "s"], *,
                              block_size: int, impl: str | None = None,
+                             layout: SlotLayout | None = None,
                              **options) -> Float[Array, "n h d"]:
     """:func:`ragged_attention` inside ``shard_map`` over every axis of ``mesh`` not already
     manual where it is called: each device attends with its own KV heads of its own slots
@@ -48,17 +50,19 @@ def ragged_attention_sharded(mesh: Mesh | AbstractMesh | None, q: Float[Array, "
     ``model`` is made manual here. Called where ``data`` is still free and splits the slots,
     every data shard sees all rows, attends those of its slots, and the result is summed over
     ``data`` (each row has one non-zero term): callers that compact per shard should call it
-    inside their own ``shard_map`` over ``data`` instead.
+    inside their own ``shard_map`` over ``data`` instead. ``layout`` (the rows'
+    :func:`~pallas_kernels.ragged_attention.reference.slot_layout`) is passed on where the rows
+    stay as they are, and left to the kernel to derive where a data shard reorders them.
     """
     _, slots, _, kv_heads, _ = k_cache.shape
     sharding.check_divides(kv_heads, mesh, sharding.HEADS, "KV heads")
     sharding.check_divides(slots, mesh, sharding.SLOTS, "slots")
     data, model = sharding.split(mesh, sharding.SLOTS), sharding.split(mesh, sharding.HEADS)
 
-    def local(q, rows, valid, k_cache, v_cache, layer, kv_len):
+    def local(q, rows, valid, k_cache, v_cache, layer, kv_len, layout):
         if data is None:
             return ragged_attention(q, rows, valid, k_cache, v_cache, layer, kv_len,
-                                    block_size=block_size, impl=impl, **options)
+                                    block_size=block_size, impl=impl, layout=layout, **options)
         first_slot = jax.lax.axis_index(data) * k_cache.shape[1]
         slot = rows // block_size - first_slot
         mine = valid & (slot >= 0) & (slot < k_cache.shape[1])
@@ -72,5 +76,9 @@ def ragged_attention_sharded(mesh: Mesh | AbstractMesh | None, q: Float[Array, "
 
     heads = P(None, model, None)
     cache = P(None, data, None, model, None)
-    return sharding.manual(local, mesh, (heads, P(), P(), cache, cache, P(), P(data)), heads)(
-        q, rows, valid, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_len)
+    if data is not None:
+        layout = None
+    layout_specs = None if layout is None else SlotLayout(P(), P(), P())
+    return sharding.manual(local, mesh, (heads, P(), P(), cache, cache, P(), P(data), layout_specs),
+                           heads)(q, rows, valid, k_cache, v_cache, jnp.asarray(layer, jnp.int32),
+                                  kv_len, layout)

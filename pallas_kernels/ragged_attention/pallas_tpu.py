@@ -22,6 +22,7 @@ to the compacted rows by the wrapper.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -124,8 +125,9 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      k_cache: Float[Array, "layers s m kvh d"],
                      v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
                      kv_len: Int[Array, "s"], *, block_size: int, block_kv: int | None = None,
-                     interpret: bool = False) -> Float[Array, "n h d"]:
-    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`.
+                     interpret: bool = False, layout: Any = None) -> Float[Array, "n h d"]:
+    """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`
+    (``layout`` is for the GPU kernels' launch: ignored here).
 
     ``block_kv``: cache positions per KV block (a divisor of the cache's ``M``; ``None``: the
     largest up to 512 that fits the VMEM budget). ``interpret=True`` runs the kernel in the

@@ -37,7 +37,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.ragged_attention.reference import BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS, gpu_layout
+from pallas_kernels.ragged_attention.reference import (
+    BLOCK_M,
+    BLOCK_N,
+    NUM_STAGES,
+    NUM_WARPS,
+    SlotLayout,
+    gpu_layout,
+    occupied_slots,
+)
+
+__all__ = ["MAX_KV_SPLITS", "SPLIT_MAX_ROWS", "default_kv_splits", "occupied_slots",
+           "ragged_attention"]
 
 NEG_INF = -1e30
 
@@ -48,12 +59,6 @@ SPLIT_MAX_ROWS = 32
 it in one program. Measured on the H200 with 8 or 16 live slots of 256 (docs/kernels.md,
 "A grid over the occupied slots only"): split, buckets of 16 and 32 rows took 16.1 and 21.4 us
 against 18.5 and 24.9 unsplit; buckets of 64 and 128 took 32-39 us against 26-33."""
-
-
-def occupied_slots(rows: int, slots: int) -> int:
-    """Programs per (query tile, KV head) along the grid's slot axis: ``min(rows, slots)``, the
-    most slots that ``rows`` compacted rows can occupy."""
-    return max(1, min(rows, slots))
 
 
 def default_kv_splits(rows: int, slots: int) -> int:
@@ -71,21 +76,21 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      kv_len: Int[Array, "s"], *, block_size: int,
                      block_m: int = BLOCK_M, block_n: int = BLOCK_N,
                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     kv_splits: int | None = None,
-                     interpret: bool = False) -> Float[Array, "n h d"]:
+                     kv_splits: int | None = None, interpret: bool = False,
+                     layout: SlotLayout | None = None) -> Float[Array, "n h d"]:
     """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`
     (padding rows come back zero). ``kv_splits``: programs sharing each occupied slot's cache
     walk (default :func:`default_kv_splits`). ``interpret``: run in the Pallas interpreter (any
-    platform)."""
+    platform). ``layout``: the rows' slot layout, if the caller computed it (its grid's slot
+    axis: ``layout.occupied``)."""
     n, h, d = q.shape
     _, slots, positions, kv_heads, _ = k_cache.shape
     splits = default_kv_splits(n, slots) if kv_splits is None else kv_splits
     if splits < 1:
         raise ValueError(f"ragged_attention: kv_splits must be >= 1, got {splits}")
-    group, first_row, row_count, block_m = gpu_layout(q, rows, valid, k_cache, v_cache,
-                                                      block_size, block_m)
-    # The slots that have rows, in order, then ``slots`` (none) up to the grid's slot axis.
-    occupied = jnp.nonzero(row_count > 0, size=occupied_slots(n, slots), fill_value=slots)[0]
+    group, layout, block_m = gpu_layout(q, rows, valid, k_cache, v_cache, block_size, block_m,
+                                        layout)
+    occupied = layout.occupied  # the grid's slot axis: the slots with rows, then `slots`
     # Lanes without a row load and store at ``spare``. A masked store writes nothing on the GPU,
     # so row 0 serves there; the interpreter stores masked lanes back (read, select, write), so
     # a lane without a row must not share a row with one that has it: a spare row past the end.
@@ -105,8 +110,8 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     # Row-major views: query vector ``row * h + head``, cache row
     # ``((layer * S + slot) * M + position) * KVH + kv_head``; both reshapes are free.
     inputs = (q.reshape(n * h, d), k_cache.reshape(-1, d), v_cache.reshape(-1, d),
-              occupied.astype(jnp.int32), first_row.astype(jnp.int32),
-              row_count.astype(jnp.int32), jnp.asarray(kv_len, jnp.int32),
+              occupied.astype(jnp.int32), layout.first_row.astype(jnp.int32),
+              layout.row_count.astype(jnp.int32), jnp.asarray(kv_len, jnp.int32),
               jnp.asarray(layer, jnp.int32).reshape(1))
     out = pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs],

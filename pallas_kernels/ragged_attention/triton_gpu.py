@@ -26,6 +26,7 @@ from pallas_kernels.ragged_attention.reference import (
     BLOCK_N,
     NUM_STAGES,
     NUM_WARPS,
+    SlotLayout,
     gpu_layout,
 )
 
@@ -82,17 +83,18 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
                      kv_len: Int[Array, "s"], *, block_size: int,
                      block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES
-                     ) -> Float[Array, "n h d"]:
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                     layout: SlotLayout | None = None) -> Float[Array, "n h d"]:
     """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`."""
     import jax_triton  # GPU only: imported when the kernel is called
 
     d = q.shape[-1]
     _, slots, positions, kv_heads, _ = k_cache.shape
-    group, first_row, row_count, block_m = gpu_layout(q, rows, valid, k_cache, v_cache,
-                                                      block_size, block_m)
+    group, layout, block_m = gpu_layout(q, rows, valid, k_cache, v_cache, block_size, block_m,
+                                        layout)
     return jax_triton.triton_call(
-        q, k_cache, v_cache, first_row.astype(jnp.int32), row_count.astype(jnp.int32),
+        q, k_cache, v_cache, layout.first_row.astype(jnp.int32),
+        layout.row_count.astype(jnp.int32),
         jnp.asarray(kv_len, jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
         kernel=_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(triton.cdiv(block_size * group, block_m), kv_heads, slots), zeroed_outputs=(0,),
