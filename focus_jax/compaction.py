@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 
-def bucket_ladder(total: int, fractions: Sequence[float]) -> tuple[int, ...]:
-    """Sorted distinct bucket sizes ``ceil(total * f)``; the last one is always ``total``."""
-    sizes = {max(1, math.ceil(total * f)) for f in fractions} | {total}
-    return tuple(sorted(s for s in sizes if s <= total))
+def bucket_ladder(total: int, fractions: Sequence[float], minimum: int = 1) -> tuple[int, ...]:
+    """Sorted distinct bucket sizes ``ceil(total * f)``, none below ``minimum`` rows (nor above
+    ``total``); the last one is always ``total``."""
+    sizes = {min(total, max(minimum, math.ceil(total * f))) for f in fractions} | {total}
+    return tuple(sorted(sizes))
 
 
 def compact(keep: Bool[Array, "t"]) -> tuple[Int[Array, "t"], Int[Array, ""]]:

@@ -47,6 +47,13 @@ def test_default_ladder_is_fine_where_focus_runs():
     assert bucket_ladder(8192, GPU_LADDER) == (64, 128, *sizes)
 
 
+def test_no_bucket_below_the_minimum_or_above_the_axis():
+    assert bucket_ladder(64, GPU_LADDER) == (1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32,
+                                             40, 48, 56, 64)
+    assert bucket_ladder(64, GPU_LADDER, minimum=16) == (16, 20, 24, 28, 32, 40, 48, 56, 64)
+    assert bucket_ladder(8, (0.25, 1.0), minimum=16) == (8,)
+
+
 @pytest.mark.parametrize("kept", [1, 3, 7])
 def test_run_in_place_runs_only_the_chosen_bucket_once(kept):
     keep = jnp.arange(8) < kept
@@ -61,3 +68,14 @@ def test_run_in_place_runs_only_the_chosen_bucket_once(kept):
     assert int(runs) == 1
     assert int(sizes) == next(size for size in (2, 4, 8) if size >= kept)
     assert int(total) == sum(range(1, kept + 1))
+
+
+def test_gpu_settings_have_no_bucket_below_sixteen_rows():
+    from focus_jax.config import GenerationConfig
+    from focus_jax.engine.core import GPU_MIN_BUCKET, decode_settings
+
+    gpu = decode_settings(GenerationConfig(block_size=8), 0, 8, "gpu")
+    cpu = decode_settings(GenerationConfig(block_size=8, bucket_ladder=GPU_LADDER), 0, 8, "cpu")
+    assert gpu.processed_ladder[0] == gpu.retained_ladder[0] == GPU_MIN_BUCKET == 16
+    assert cpu.processed_ladder[0] == 1  # elsewhere the ladder is as configured
+    assert gpu.processed_ladder == tuple(s for s in cpu.processed_ladder if s >= 16)
