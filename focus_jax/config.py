@@ -35,6 +35,13 @@ CPU_LADDER = (0.25, 0.5, 0.75, 1.0)
 # SDAR-8B, 2 requests/s: time between blocks 0.445 -> 0.419 s, first block p50 0.314 -> 0.300 s;
 # the server at saturation 3207.8 tok/s against 3210.5 (docs/serving.md, "Re-measured").
 GPU_LADDER = (1 / 128, 1 / 64, *DEFAULT_LADDER)
+GPU_MIN_BUCKET = 16
+"""No compaction bucket of fewer rows on GPUs: a GEMM of fewer rows reads the same weights in
+about the same time, and a bucket of one row turned each layer's products into XLA's dot
+strength reduction (an elementwise multiply the size of the weight matrix, then a reduction)
+instead of a GEMM that reads the weights in place (``tests/test_compilation.py``,
+``test_gpu_layer_loop_reads_weights_in_place``, at 8 slots x block 8, where the 1/128 rung is
+one row). At 256 slots x block 32 the smallest bucket is 64 rows either way."""
 
 Mode = Literal["baseline", "delayed", "focus"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
@@ -348,6 +355,12 @@ class GenerationConfig:
         if self.bucket_ladder is not None:
             return self.bucket_ladder
         return {"cpu": CPU_LADDER, "gpu": GPU_LADDER}.get(platform, DEFAULT_LADDER)
+
+    @staticmethod
+    def min_bucket_for(platform: str) -> int:
+        """The fewest rows a compaction bucket has on devices of ``platform``
+        (``GPU_MIN_BUCKET`` on GPUs, 1 elsewhere)."""
+        return GPU_MIN_BUCKET if platform == "gpu" else 1
 
     @property
     def resolved_threshold(self) -> float:

@@ -30,13 +30,14 @@ from focus_jax.cache import KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3 import Decoder, forward
-from focus_jax.policies import CACHED, MASKED, UNMASKED, Policies, RowSampling, kernel
+from focus_jax.policies import CACHED, MASKED, UNMASKED, Eviction, Policies, RowSampling, kernel
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 from pallas_kernels.ragged_attention.reference import SlotLayout, slot_layout
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "RoundResults",
-           "SlotParams", "StepLog", "decode_round", "init_state", "pack_round", "packed_width",
-           "prefill", "release", "step", "unpack_round", "window_width"]
+           "SlotParams", "StepLog", "decode_round", "decoded_per_step", "init_state",
+           "pack_round", "packed_width", "prefill", "release", "step", "unpack_round",
+           "window_width"]
 
 MAX_STOP_IDS = 8
 """Stop token ids a request may name (the per-slot table's width)."""
@@ -315,7 +316,14 @@ def _slot_ladder(row_ladder: tuple[int, ...], block_size: int) -> tuple[int, ...
     return tuple(sorted({-(-rows // block_size) for rows in row_ladder}))
 
 
-def _retained(eviction, state: DecodeState, processed: Bool[Array, "s b"],
+def decoded_per_step(state: DecodeState) -> Float[Array, "s"]:
+    """Each slot's tokens unmasked per decoding step so far in its active block (1 before its
+    first such step): what FOCUS's retention budget scales with."""
+    return jnp.where(state.block_steps > 0,
+                     state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
+
+
+def _retained(eviction: Eviction, state: DecodeState, processed: Bool[Array, "s b"],
               masked: Bool[Array, "s b"], processed_rows: Compaction,
               first_layers: tuple[Array, ...], ladder: tuple[int, ...]) -> Bool[Array, "s b"]:
     """The eviction policy's retained tokens, computed for the slots that can evict only.
@@ -329,8 +337,7 @@ def _retained(eviction, state: DecodeState, processed: Bool[Array, "s b"],
     in the policy, so the result is the same as over all slots."""
     s, b = processed.shape
     evicting = (processed & masked).any(axis=-1)
-    avg = jnp.where(state.block_steps > 0,
-                    state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
+    avg = decoded_per_step(state)
 
     def work(slot: Int[Array, "n"], valid: Bool[Array, "n"]) -> Bool[Array, "s b"]:
         at = processed_rows.inverse[slot[:, None] * b + jnp.arange(b)]  # [n, b] compact rows

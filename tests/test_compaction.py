@@ -71,8 +71,8 @@ def test_run_in_place_runs_only_the_chosen_bucket_once(kept):
 
 
 def test_gpu_settings_have_no_bucket_below_sixteen_rows():
-    from focus_jax.config import GenerationConfig
-    from focus_jax.engine.core import GPU_MIN_BUCKET, decode_settings
+    from focus_jax.config import GPU_MIN_BUCKET, GenerationConfig
+    from focus_jax.engine.core import decode_settings
 
     gpu = decode_settings(GenerationConfig(block_size=8), 0, 8, "gpu")
     cpu = decode_settings(GenerationConfig(block_size=8, bucket_ladder=GPU_LADDER), 0, 8, "cpu")

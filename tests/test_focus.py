@@ -194,12 +194,10 @@ def test_eviction_on_the_evicting_slots_alone_equals_eviction_over_every_slot(li
 
     got = decoding._retained(eviction, state, jnp.asarray(processed), jnp.asarray(masked), rows,
                              first_layers, (2, 4, 8, slots))
-    avg = jnp.where(state.block_steps > 0,
-                    state.block_decoded / jnp.maximum(state.block_steps, 1), 1.0)
     want = eviction.retained(
         jnp.asarray(processed), jnp.asarray(masked),
         tuple(rows.to_flat(a).reshape(slots, b, *a.shape[1:]) for a in first_layers),
-        state.progress, avg, state.params.alpha)
+        state.progress, decoding.decoded_per_step(state), state.params.alpha)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not (np.asarray(got) & ~processed).any()
     if live:

@@ -236,15 +236,6 @@ class Engine:
         return self.runner.lower_round()
 
 
-GPU_MIN_BUCKET = 16
-"""No compaction bucket of fewer rows on GPUs: a GEMM of fewer rows reads the same weights in
-about the same time, and a bucket of one row turned each layer's products into XLA's dot
-strength reduction (an elementwise multiply the size of the weight matrix, then a reduction)
-instead of a GEMM that reads the weights in place (``tests/test_compilation.py``,
-``test_gpu_layer_loop_reads_weights_in_place``, at 8 slots x block 8, where the 1/128 rung is
-one row). At 256 slots x block 32 the smallest bucket is 64 rows either way."""
-
-
 def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, platform: str,
                     mesh: Mesh | None = None) -> decoding.DecodeSettings:
     """The static settings of the decode programs for ``config`` (its block size set) on
@@ -259,7 +250,7 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
     # Each data shard compacts its own slots' rows (decoding.step).
     data_shards = mesh.shape["data"] if mesh is not None else 1
     ladder = bucket_ladder(slots // data_shards * block, config.ladder_for(platform),
-                           minimum=GPU_MIN_BUCKET if platform == "gpu" else 1)
+                           minimum=config.min_bucket_for(platform))
     # On a mesh the step calls each kernel through its sharded entry point.
     policies = Policies.for_mode(config.mode, config.unmasking,
                                  decoding.tokens_per_step(block, config.denoising_steps),

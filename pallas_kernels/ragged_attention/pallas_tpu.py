@@ -22,7 +22,6 @@ to the compacted rows by the wrapper.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.ragged_attention.reference import SlotLayout
 from pallas_kernels.sharding import varying_axes
 
 _NEG = -1e30
@@ -125,7 +125,8 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                      k_cache: Float[Array, "layers s m kvh d"],
                      v_cache: Float[Array, "layers s m kvh d"], layer: Int[Array, ""] | int,
                      kv_len: Int[Array, "s"], *, block_size: int, block_kv: int | None = None,
-                     interpret: bool = False, layout: Any = None) -> Float[Array, "n h d"]:
+                     interpret: bool = False,
+                     layout: SlotLayout | None = None) -> Float[Array, "n h d"]:
     """Same contract as :func:`pallas_kernels.ragged_attention.reference.ragged_attention`
     (``layout`` is for the GPU kernels' launch: ignored here).
 
