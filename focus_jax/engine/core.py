@@ -10,10 +10,9 @@ no host round trip per step), and the outputs of the blocks it committed come ba
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -155,18 +154,18 @@ class Engine:
         round, and return the outputs of the blocks it committed and of the requests it ended."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
-        with self._timed("host_seconds"):
+        with self.stats.timed("host_seconds"):
             aborted = self.scheduler.take_aborted()
             outputs += [self._final(r, "abort") for r in aborted]
         if aborted:
             self.runner.release([r.slot for r in aborted])
             for request in aborted:
                 self.scheduler.finish(request)
-        with self._timed("host_seconds"):
+        with self.stats.timed("host_seconds"):
             admitted, refused = self.scheduler.admit()
             outputs += [self._final(r, "error", str(err)) for r, err in refused]
         if admitted:
-            with self._timed("prefill_seconds"):
+            with self.stats.timed("prefill_seconds"):
                 for batch in self.scheduler.batches(admitted, self.runner.prefill_batch):
                     self.runner.prefill(batch)
                 jax.block_until_ready(self.runner.state)
@@ -174,13 +173,13 @@ class Engine:
             for request in admitted:
                 request.stats.admitted_time = now
         if self.scheduler.running:
-            with self._timed("decode_seconds"):
+            with self.stats.timed("decode_seconds"):
                 short = self._short_rounds()
                 results = self.runner.decode_round(
                     stop_on_finish=bool(self.scheduler.waiting),
                     steps=self.config.free_slot_round_steps if short else None,
                     stop_on_first_output=short)
-            with self._timed("host_seconds"):
+            with self.stats.timed("host_seconds"):
                 outputs += self._after_round(results)
         self.stats.wall_seconds += time.perf_counter() - start
         return outputs
@@ -221,15 +220,6 @@ class Engine:
 
     def _final(self, request: Request, reason: str, error: str | None = None) -> RequestOutput:
         return self.output.output(request, request.returned, reason, error)
-
-    @contextlib.contextmanager
-    def _timed(self, field: str) -> Iterator[None]:
-        """Adds the block's wall time to ``self.stats.<field>``."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - start)
 
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this engine's model, settings and state."""

@@ -8,8 +8,10 @@ builds the final :class:`Result` when a request ends.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -121,6 +123,15 @@ class RunStats:
     host_seconds: float = 0.0
     """Wall time of host work between rounds (statistics, streaming, building prefill batches):
     the device has nothing queued then."""
+
+    @contextlib.contextmanager
+    def timed(self, field: str) -> Iterator[None]:
+        """Adds the wall time of the ``with`` block to ``<field>`` (one of the ``*_seconds``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, field, getattr(self, field) + time.perf_counter() - start)
 
     def token_layers(self, num_layers: int) -> int:
         """Token-layers computed: processed tokens through layers 0-1, retained through the rest."""
