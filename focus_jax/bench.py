@@ -21,10 +21,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from focus_jax.compilation import count_compilations
-from focus_jax.config import NAMED_GEOMETRIES, GenerationConfig, ModelConfig, check_integer
+from focus_jax.config import GenerationConfig, ModelConfig, check_integer
 from focus_jax.engine import Engine, SamplingParams, run_to_completion
 from focus_jax.model import Model
-from focus_jax.models.qwen3 import Decoder
+from focus_jax.models import geometry
+from focus_jax.models.decoder import Decoder
 
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
 
@@ -44,9 +45,7 @@ def random_prompts(cfg: ModelConfig, lengths: Sequence[int], seed: int = 0) -> l
 
 def random_model(name: str, seed: int = 0, dtype: str = "bfloat16") -> Model:
     """A named geometry (``sdar-1.7b``, ``sdar-8b``) with random weights, built on the device."""
-    if name not in NAMED_GEOMETRIES:
-        raise ValueError(f"unknown geometry {name!r}; choose from {sorted(NAMED_GEOMETRIES)}")
-    cfg = ModelConfig(**NAMED_GEOMETRIES[name], dtype=dtype)
+    cfg = geometry(name, dtype)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed))))
     params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))))()
     return Model(cfg, graphdef, params, None, stop_token_ids=())

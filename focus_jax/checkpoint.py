@@ -30,21 +30,15 @@ from jax.sharding import Mesh
 from focus_jax import sharding
 from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
-from focus_jax.models.params import (
-    abstract_decoder,
-    fuse_separate_projections,
-    has_separate_projections,
-    load_safetensors,
-    not_utf8,
-    read_json,
-)
+from focus_jax.models import family
+from focus_jax.models.qwen3.params import fuse_separate_projections, has_separate_projections
+from focus_jax.models.weights import abstract_decoder, load_safetensors, not_utf8, read_json
 
 PARAMS_DIR = "params"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "chat_template.jinja", "added_tokens.json")
 _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json",
                    "special_tokens_map.json", "added_tokens.json")
-SDAR_MASK_TOKEN_ID = 151669
 
 
 def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
@@ -69,8 +63,9 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
     tok = load_tokenizer(folder) if tokenizer else None
     if cfg.mask_token_id is None:
         mask = getattr(tok, "mask_token_id", None)
-        if mask is None and cfg.model_type == "sdar" and cfg.vocab_size > SDAR_MASK_TOKEN_ID:
-            mask = SDAR_MASK_TOKEN_ID
+        default = family(cfg.model_type).default_mask_token_ids.get(cfg.model_type)
+        if mask is None and default is not None and cfg.vocab_size > default:
+            mask = default
         cfg = cfg.replace(mask_token_id=mask)
     if mesh is not None:
         sharding.check_divisible(cfg, mesh)

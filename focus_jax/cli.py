@@ -520,12 +520,13 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
 
 def _compile_check(args: argparse.Namespace) -> int:
     from focus_jax import compile_check, tpu
-    from focus_jax.config import NAMED_GEOMETRIES, ModelConfig
+    from focus_jax.config import ModelConfig
+    from focus_jax.models import geometry
 
     if (args.geometry is None) == (args.model is None):
         raise ConfigError("give one of --geometry NAME or --model PATH")
     if args.geometry:
-        cfg = ModelConfig(**NAMED_GEOMETRIES[args.geometry], dtype=args.dtype or "bfloat16")
+        cfg = geometry(args.geometry, args.dtype or "bfloat16")
     else:
         cfg = ModelConfig.from_file(args.model / "config.json", dtype=args.dtype)
     ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}

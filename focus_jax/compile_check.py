@@ -24,7 +24,7 @@ from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.runner import default_prefill_batch, prefill_rows, prompt_buckets, slot_positions
-from focus_jax.models.params import abstract_decoder
+from focus_jax.models.weights import abstract_decoder
 from pallas_kernels.dispatch import PLATFORM_DEFAULT
 
 # The kernels a TPU runs by default (both ops default to their Pallas TPU kernel). Named here:

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("sdar", "qwen3")
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64)
 MODES = ("baseline", "delayed", "focus")
 UNMASKING_RULES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
@@ -58,9 +57,76 @@ def _dtype(name: str) -> Any:
         raise ConfigError(f"dtype {name!r} is not supported: use 'bfloat16' or 'float32'") from None
 
 
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The mixture of experts of a sparse decoder: which layers route, and how.
+
+    Each token's router scores every expert (``softmax`` or ``sigmoid`` over float32 logits),
+    picks ``experts_per_token`` of them (with ``num_groups > 1``: only among the experts of the
+    ``groups_per_token`` groups whose two best scores sum highest; with ``expert_bias``: a learnt
+    per-expert bias added for choosing only) and sums their SwiGLU outputs weighted by their
+    scores (normalised to sum 1 with ``norm_topk_prob``, then times ``routed_scaling_factor``),
+    plus a shared expert of width ``shared_expert_size`` that every token runs (0: none).
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_size: int
+    """Each expert's SwiGLU width (``moe_intermediate_size``)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers with a dense MLP of ``intermediate_size`` instead of experts."""
+    scores: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    groups_per_token: int = 1
+    expert_bias: bool = False
+    shared_expert_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name, hf in (("num_experts", "num_experts"), ("experts_per_token", "num_experts_per_tok"),
+                         ("expert_size", "moe_intermediate_size"), ("num_groups", "n_group"),
+                         ("groups_per_token", "topk_group")):
+            value = getattr(self, name)
+            if not is_integer(value) or value <= 0:
+                raise ConfigError(f"{hf} must be a positive integer, got {value!r}")
+        if self.experts_per_token > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.experts_per_token}) exceeds num_experts "
+                              f"({self.num_experts})")
+        if self.scores not in ROUTER_SCORES:
+            raise ConfigError(f"score_function {self.scores!r} is not supported; supported: "
+                              f"{', '.join(ROUTER_SCORES)}")
+        if self.num_experts % self.num_groups:
+            raise ConfigError(f"num_experts ({self.num_experts}) does not divide into n_group "
+                              f"({self.num_groups}) groups")
+        if self.groups_per_token > self.num_groups:
+            raise ConfigError(f"topk_group ({self.groups_per_token}) exceeds n_group "
+                              f"({self.num_groups})")
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ConfigError(f"n_group {self.num_groups} leaves {per_group} expert per group; a "
+                              f"group is scored by its two best experts")
+        if self.experts_per_token > self.groups_per_token * per_group:
+            raise ConfigError(f"num_experts_per_tok ({self.experts_per_token}) exceeds the "
+                              f"{self.groups_per_token * per_group} experts of topk_group "
+                              f"({self.groups_per_token}) groups")
+        if not is_integer(self.shared_expert_size) or self.shared_expert_size < 0:
+            raise ConfigError(f"the shared expert's width must be an integer >= 0, got "
+                              f"{self.shared_expert_size!r}")
+        if not _is_finite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
+            raise ConfigError(f"routed_scaling_factor must be a positive number, got "
+                              f"{self.routed_scaling_factor!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Geometry of a Qwen3-style block-diffusion decoder (SDAR)."""
+    """Geometry of a block-diffusion decoder: the Qwen3-style layers of SDAR, with a mixture of
+    experts (``moe``) in sparse families. Each family (:mod:`focus_jax.models`) reads its own
+    Hugging Face ``config.json`` into this."""
 
     vocab_size: int
     hidden_size: int
@@ -79,6 +145,10 @@ class ModelConfig:
     model_type: str = "sdar"
     dtype: str = "bfloat16"
     """Parameter and activation dtype; norms, softmax and logits are always computed in float32."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's features that RoPE rotates (the first ones)."""
+    moe: MoEConfig | None = None
+    """The mixture of experts (None: every layer has a dense MLP)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -92,9 +162,20 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type {self.model_type!r} is not supported; supported: "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        from focus_jax.models import family  # the registry imports this module
+
+        family(self.model_type)
+        if not (_is_finite(self.partial_rotary_factor) and 0 < self.partial_rotary_factor <= 1):
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got "
+                              f"{self.partial_rotary_factor!r}")
+        if self.rotary_dim % 2:
+            raise ConfigError(f"the rotary part of a head ({self.rotary_dim} of {self.head_dim} "
+                              f"features) must be even")
+        if self.moe is not None:
+            outside = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ConfigError(f"dense layer(s) {outside} are outside the {self.num_layers} "
+                                  f"layers (mlp_only_layers / first_k_dense_replace)")
         if self.block_size is not None and self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ConfigError(f"block_size {self.block_size} is not supported; supported: "
                               f"{SUPPORTED_BLOCK_SIZES}")
@@ -108,80 +189,57 @@ class ModelConfig:
         return _dtype(self.dtype)
 
     @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates."""
+        return round(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's feed-forward: ``dense`` (an MLP) or ``sparse`` (experts)."""
+        dense = () if self.moe is None else self.moe.dense_layers
+        return tuple("dense" if self.moe is None or i in dense else "sparse"
+                     for i in range(self.num_layers))
+
+    def _params(self, active: bool) -> int:
+        e, d = self.hidden_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d + 2 * e
+        ffn = 0
+        for kind in self.layer_kinds:
+            if kind == "dense":
+                ffn += 3 * e * self.intermediate_size
+            else:
+                m = self.moe
+                experts = m.experts_per_token if active else m.num_experts
+                ffn += 3 * e * (experts * m.expert_size + m.shared_expert_size) + e * m.num_experts
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + self.num_layers * attn + ffn + e + head
+
+    @property
     def num_params(self) -> int:
         """Parameter count (the LM head counted once when tied)."""
-        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d
-        layer = attn + 3 * e * f + 2 * e
-        head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + self.num_layers * layer + e + head
+        return self._params(active=False)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs through (the chosen experts only)."""
+        return self._params(active=True)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` dictionary (``model_type`` ``sdar`` or ``qwen3``)."""
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-        missing = [key for key in required if key not in raw]
-        if missing:
-            raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
-        if raw.get("attention_bias"):
-            raise ConfigError("attention_bias=true is not supported (SDAR and Qwen3 use none)")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
-        theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
-        heads = raw["num_attention_heads"]
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            block_size=raw.get("block_size"),
-            mask_token_id=raw.get("mask_token_id"),
-            model_type=model_type,
-            dtype=dtype or _hf_dtype(raw),
-        )
+        """Read a Hugging Face ``config.json`` dictionary, through the family its
+        ``model_type`` names (:mod:`focus_jax.models`)."""
+        from focus_jax.models import family
+
+        return family(raw.get("model_type")).config_from_hf(raw, dtype or hf_dtype(raw))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` dictionary that :meth:`from_hf_dict` reads back."""
-        out: dict[str, Any] = {
-            "model_type": self.model_type,
-            "architectures": ["SDARForCausalLM" if self.model_type == "sdar" else "Qwen3ForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": self.dtype,
-        }
-        if self.block_size is not None:
-            out["block_size"] = self.block_size
-        if self.mask_token_id is not None:
-            out["mask_token_id"] = self.mask_token_id
-        return out
+        from focus_jax.models import family
+
+        return family(self.model_type).config_to_hf(self)
 
     @classmethod
     def from_file(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
@@ -198,7 +256,7 @@ class ModelConfig:
         return cls.from_hf_dict(raw, dtype=dtype)
 
 
-def _hf_dtype(raw: dict[str, Any]) -> str:
+def hf_dtype(raw: dict[str, Any]) -> str:
     name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     return name if name in ("bfloat16", "float32") else "bfloat16"
 
@@ -227,17 +285,6 @@ def _sequence(name: str, value: Any) -> tuple[Any, ...]:
     if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
         raise ConfigError(f"{name} must be a sequence, got {value!r}")
     return tuple(value)
-
-
-# Sizes of the public SDAR chat checkpoints, for benchmarks with random weights built on the device.
-NAMED_GEOMETRIES: dict[str, dict[str, Any]] = {
-    "sdar-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                      num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
-                      block_size=32, mask_token_id=151669),
-    "sdar-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                    num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False,
-                    block_size=32, mask_token_id=151669),
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from focus_jax import interrupts, sharding
 from focus_jax.cache import KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
-from focus_jax.models.qwen3 import Decoder, forward
+from focus_jax.models.decoder import Decoder, Layer, forward
 from focus_jax.policies import CACHED, MASKED, UNMASKED, Eviction, Policies, RowSampling, kernel
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 from pallas_kernels.ragged_attention.reference import SlotLayout, slot_layout
@@ -370,17 +370,18 @@ class _Layers:
         """The slot each row writes its KV to; padding rows (and rows not kept) write nothing."""
         return jnp.where(valid, self.slot_of_row[rows], self.slots)
 
-    def _attend_and_finish_rows(self, layer_index, rows, valid, x, q, cache: KVCache, kv_len,
-                                layout: SlotLayout | None = None):
-        """The second half of a layer for a bucket's rows. Padding rows come out with values
-        nobody reads: only kept rows are read after a layer (the next layer's kept rows, the
-        eviction's processed ones, the head's candidates), and no row writes the cache here.
-        ``layout``: the rows' slot layout, if computed once for several layers."""
+    def _attend_and_finish_rows(self, layer: Layer, layer_index, rows, valid, x, q,
+                                cache: KVCache, kv_len, layout: SlotLayout | None = None):
+        """The second half of ``layer`` (number ``layer_index``) for a bucket's rows. Padding
+        rows come out with values nobody reads: only kept rows are read after a layer (the next
+        layer's kept rows, the eviction's processed ones, the head's candidates), and no row
+        writes the cache here. ``layout``: the rows' slot layout, if computed once for several
+        layers."""
         attention = kernel(ragged_attention, ragged_attention_sharded, self.settings.kernels,
                            self.settings.mesh)
         attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
                          block_size=self.block_size, layout=layout)
-        return self.model.layer(layer_index).finish(x, attn)
+        return layer.finish(x, attn, valid)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
     # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the
@@ -398,8 +399,8 @@ class _Layers:
     def _attend_and_finish(self, rows_of: Compaction, layer_index: int, x, q, cache, kv_len):
         def work(rows, valid, x, q, cache: KVCache):
             size = rows.shape[0]
-            finished = self._attend_and_finish_rows(layer_index, rows, valid, x[:size], q[:size],
-                                                    cache, kv_len)
+            finished = self._attend_and_finish_rows(self.model.layer(layer_index), layer_index,
+                                                    rows, valid, x[:size], q[:size], cache, kv_len)
             return jax.lax.dynamic_update_slice_in_dim(x, finished, 0, axis=0)
 
         return rows_of.run(work, x, q, cache)
@@ -428,16 +429,16 @@ class _Layers:
             # dynamic-slice fusion (on with compilation.GPU_COMPILER_OPTIONS), which lets the GEMMs
             # read each layer's weights in place in the stack, takes only offsets computed from
             # a loop counter (docs/benchmarks.md, "Weight reads").
-            def layer(layer_index, carry):
+            def layer(layer_index, layer: Layer, carry):
                 h, cache = carry
-                q, k, v = self.model.layer(layer_index).qkv(h, row_position)
+                q, k, v = layer.qkv(h, row_position)
                 cache = cache.write(layer_index, target, row_position, k, v)
-                return self._attend_and_finish_rows(layer_index, rows, valid, h, q, cache,
+                return self._attend_and_finish_rows(layer, layer_index, rows, valid, h, q, cache,
                                                     kv_len, layout), cache
 
-            h, cache = jax.lax.fori_loop(2, self.model.config.num_layers, layer,
-                                         (x[:rows.shape[0]], cache),
-                                         unroll=self.settings.unroll_layers)
+            h, cache = self.model.fori_layers(2, self.model.config.num_layers, layer,
+                                              (x[:rows.shape[0]], cache),
+                                              unroll=self.settings.unroll_layers)
             return jax.lax.dynamic_update_slice_in_dim(x, h, 0, axis=0), cache
 
         return rows_of.run_in_place(later_layers, (x, cache))

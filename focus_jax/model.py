@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from focus_jax.config import ModelConfig
-from focus_jax.models.qwen3 import Decoder, forward
+from focus_jax.models.decoder import Decoder, forward
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Sharding over a ``("data", "model")`` mesh: slots over ``data``, heads and MLP over ``model``.
 
-Parameters carry logical axis names (see ``models/qwen3.py``); :data:`RULES` maps them to mesh
+Parameters carry logical axis names (see ``models/layers.py``); :data:`RULES` maps them to mesh
 axes. The decode state and KV cache are sharded by slot over ``data`` (and the cache's KV heads
 over ``model``). JAX's SPMD partitioner does the rest: the code under ``jit`` is unchanged.
 """
@@ -22,6 +22,7 @@ AXES = ("data", "model")
 RULES: Mapping[str, str | None] = {
     "vocab": "model", "embed": None, "heads": "model", "kv_heads": "model", "head_dim": None,
     "mlp": "model", "layers": None, "norm": None, "qkv": None, "gate_up": None,
+    "expert": None, "expert_mlp": "model", "router": None,
 }
 
 

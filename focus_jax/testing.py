@@ -10,7 +10,7 @@ from flax import nnx
 
 from focus_jax.config import ModelConfig
 from focus_jax.model import Model
-from focus_jax.models.qwen3 import Decoder
+from focus_jax.models.decoder import Decoder
 from focus_jax.train.tokenizer import SPECIAL_TOKENS, wrap
 
 

@@ -24,7 +24,7 @@ from train_bundled import build_tokenizer, geometry  # scripts/
 
 from focus_jax import tasks
 from focus_jax.model import Model
-from focus_jax.models.qwen3 import Decoder
+from focus_jax.models.decoder import Decoder
 from focus_jax.train import TaskSource, TrainConfig
 from focus_jax.train.trainer import step_and_state
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from focus_jax import tpu
-from focus_jax.config import NAMED_GEOMETRIES
+from focus_jax.models import GEOMETRIES
 from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 from pallas_kernels.ragged_attention.pallas_tpu import choose_block_kv, sublane_tile
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    for name, geometry in NAMED_GEOMETRIES.items():
+    for name, (_, geometry) in GEOMETRIES.items():
         s = shapes(geometry, args.slots, args.positions)
         n, (heads, head_dim) = s["q"][0], s["q"][1:]
         kv_heads = geometry["num_kv_heads"]

@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 
 from focus_jax import GenerationConfig, compile_check, tpu
-from focus_jax.config import MODES, NAMED_GEOMETRIES, ModelConfig
+from focus_jax.config import MODES, ModelConfig
+from focus_jax.models import GEOMETRIES, geometry
 
 NEEDED = re.compile(r"(?:required for HLO temporaries \(|Used )([\d.]+)G")
 
@@ -109,7 +110,7 @@ def longest_prefill(cfg, args, batch: int) -> tuple[int | None, compile_check.Pr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--geometry", choices=sorted(NAMED_GEOMETRIES), required=True)
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), required=True)
     parser.add_argument("--topology", required=True)
     parser.add_argument("--mesh", default=None)
     parser.add_argument("--max-len", type=int, default=4096)
@@ -123,7 +124,7 @@ def main() -> None:
                              "(the decode round's largest, from an earlier run)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    cfg = ModelConfig(**NAMED_GEOMETRIES[args.geometry])
+    cfg = geometry(args.geometry, "bfloat16")
     print(compile_check.describe(target(cfg, args, args.step)).splitlines()[0], flush=True)
     batch, rows = args.prefill_at, []
     if batch is None:

@@ -35,8 +35,8 @@ from focus_jax import evaluate, tasks
 from focus_jax.checkpoint import replacing
 from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.model import Model
-from focus_jax.models.params import save_safetensors
-from focus_jax.models.qwen3 import Decoder
+from focus_jax.models.decoder import Decoder
+from focus_jax.models.weights import save_safetensors
 from focus_jax.train import Prefetch, TaskSource, TrainConfig, train
 from focus_jax.train.tokenizer import train_bpe
 

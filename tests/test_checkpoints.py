@@ -65,7 +65,7 @@ def test_safetensors_reader_equals_the_safetensors_library(tmp_path):
     from safetensors.flax import load_file as load_flax
     from safetensors.flax import save_file as save_flax
 
-    from focus_jax.models.params import read_safetensors
+    from focus_jax.models.weights import read_safetensors
 
     rng = np.random.default_rng(0)
     arrays = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b": np.arange(7, dtype=np.int64),
@@ -289,7 +289,7 @@ def test_a_checkpoint_without_one_part_of_a_fused_weight_names_it(hf_folder):
 
 def test_saved_safetensors_are_the_loaded_ones_tensor_for_tensor(hf_folder, tmp_path):
     """Our fused weights are written back as the Hugging Face tensors they were read from."""
-    from focus_jax.models.params import save_safetensors
+    from focus_jax.models.weights import save_safetensors
 
     model = focus_jax.load(hf_folder, dtype="float32")
     files = save_safetensors(nnx.merge(model.graphdef, model.params), tmp_path / "out")

@@ -106,7 +106,7 @@ def test_a_hugging_face_folder_loads_straight_into_the_shards(tmp_path):
     from flax import nnx
 
     import focus_jax
-    from focus_jax.models.params import save_safetensors
+    from focus_jax.models.weights import save_safetensors
     from focus_jax.testing import tiny_model
 
     model = tiny_model(num_heads=8, num_kv_heads=8, vocab_size=256)

@@ -244,7 +244,7 @@ def test_prefetched_batches_equal_the_source_in_any_order():
 
 
 def test_embedding_gradient_is_the_one_hot_gradient_summed_in_float32():
-    from focus_jax.models.qwen3 import embedding_lookup
+    from focus_jax.models.layers import embedding_lookup
     rng = np.random.default_rng(0)
     table = jnp.asarray(rng.normal(size=(7, 5)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 7, size=(3, 11)), jnp.int32)

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from focus_jax.models.qwen3 import Decoder, forward_hidden
+from focus_jax.models.decoder import Decoder, forward_hidden
 
 
 def within_cutoff(length: int, block_size: int,

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from focus_jax.config import ConfigError
-from focus_jax.models.params import read_json
+from focus_jax.models.weights import read_json
 
 RUN_FILE = "run.json"
 LOG_FILE = "log.jsonl"

@@ -1,7 +1,7 @@
 """Run in a fresh process with 8 forced CPU devices: a Hugging Face folder read onto a mesh.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/load.py HF CONVERTED
-Prints one JSON line per mesh and parameter, as ``models.params.load_safetensors`` returns it
+Prints one JSON line per mesh and parameter, as ``models.weights.load_safetensors`` returns it
 (the reader of host tensors): whether it equals the single-device load, whether it carries its
 parameter's sharding, and the shape of each device's shard; then one line per mesh and folder
 for ``focus_jax.load`` (the Hugging Face folder ``HF``, and ``CONVERTED``, the same weights
@@ -20,7 +20,7 @@ from flax import nnx
 
 import focus_jax
 from focus_jax.config import ModelConfig
-from focus_jax.models.params import load_safetensors
+from focus_jax.models.weights import load_safetensors
 from focus_jax.sharding import make_mesh, param_shardings
 
 

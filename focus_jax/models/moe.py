@@ -1,0 +1,112 @@
+"""A mixture-of-experts feed-forward: the router, the routed SwiGLU experts and a shared expert.
+
+The router (:meth:`MoE.route`) runs in float32 and covers the two families' rules
+(:class:`~focus_jax.config.MoEConfig`): softmax top-k (Qwen3-MoE, SDAR-MoE) and sigmoid scores
+with an expert bias for choosing and group-limited top-k (LLaDA2). The experts run as grouped
+matmuls over the rows sorted by expert (:func:`pallas_kernels.grouped_matmul.grouped_matmul`):
+every (token, chosen expert) pair is computed, none dropped (a dropped token changes the answer),
+and rows marked invalid (a bucket's padding) go last and outside every group, so the grouped
+matmuls skip them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from focus_jax.config import ModelConfig, MoEConfig
+from focus_jax.models.layers import MLP, init, param
+from pallas_kernels.grouped_matmul import grouped_matmul
+
+NORM_EPS = 1e-20
+"""Added to the sum of a token's chosen scores before normalising them (LLaDA2's sigmoid scores
+can all be tiny; Qwen3-MoE's softmax scores never sum to zero, where it changes nothing)."""
+
+
+class MoE(nnx.Module):
+    """Routed experts ``gate_up_proj [X, E, 2, F]``, ``down_proj [X, F, E]``, a float32 router
+    ``[E, X]`` (with an optional float32 expert bias ``[X]``) and an optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m = cfg.moe
+        e, x, f, dt = cfg.hidden_size, m.num_experts, m.expert_size, cfg.jnp_dtype
+        self.settings = nnx.static(m)
+        self.router = param(init(rngs, (e, x), jnp.float32), ("embed", "router"))
+        self.expert_bias = (param(init(rngs, (x,), jnp.float32), ("router",))
+                            if m.expert_bias else None)
+        self.gate_up_proj = param(init(rngs, (x, e, 2, f), dt),
+                                  ("expert", "embed", "gate_up", "expert_mlp"))
+        self.down_proj = param(init(rngs, (x, f, e), dt), ("expert", "expert_mlp", "embed"))
+        self.shared = (MLP(cfg, rngs=rngs, width=m.shared_expert_size)
+                       if m.shared_expert_size else None)
+
+    def route(self, x: Float[Array, "n e"]) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+        """Each row's chosen experts and their weights (float32)."""
+        return route(self.settings, x, self.router[...],
+                     None if self.expert_bias is None else self.expert_bias[...])
+
+    def __call__(self, x: Float[Array, "... e"],
+                 valid: Bool[Array, "n"] | None = None) -> Float[Array, "... e"]:
+        """The feed-forward of normed hidden states; rows where ``valid`` is False (``x``
+        then ``[n, e]``) come out as zeros plus the shared expert's output."""
+        lead, e = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, e)
+        experts, weights = self.route(rows)
+        routed = run_experts(rows, experts, weights, self.gate_up_proj[...], self.down_proj[...],
+                             valid)
+        if self.shared is not None:
+            routed = routed + self.shared(rows)
+        return routed.reshape(*lead, e)
+
+
+def route(m: MoEConfig, x: Float[Array, "n e"], router: Float[Array, "e x"],
+          bias: Float[Array, "x"] | None) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+    """The routing rule of ``m`` for rows ``x``: expert ids ``[n, k]`` and weights ``[n, k]``.
+
+    Scores are ``softmax`` or ``sigmoid`` of the float32 logits. The choice ranks scores plus
+    ``bias`` (the weights use the scores without it); with groups, only the experts of the
+    ``groups_per_token`` groups with the highest sum of their two best (biased) scores compete.
+    The chosen scores are normalised to sum 1 (``norm_topk_prob``), then scaled by
+    ``routed_scaling_factor``. Ties go to the lower expert id.
+    """
+    logits = jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = jax.nn.softmax(logits, axis=-1) if m.scores == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if m.num_groups > 1:
+        n = x.shape[0]
+        grouped = choice.reshape(n, m.num_groups, -1)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [n, groups]
+        _, kept = jax.lax.top_k(group_score, m.groups_per_token)
+        keep = jax.nn.one_hot(kept, m.num_groups, dtype=jnp.int32).sum(axis=1) > 0
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, -1)
+    _, experts = jax.lax.top_k(choice, m.experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + NORM_EPS)
+    return experts, weights * m.routed_scaling_factor
+
+
+def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Float[Array, "n k"],
+                gate_up: Float[Array, "x e 2 f"], down: Float[Array, "x f e"],
+                valid: Bool[Array, "n"] | None = None) -> Float[Array, "n e"]:
+    """``sum_j weights[i, j] * expert_{experts[i, j]}(x[i])`` for every row: the ``n * k``
+    (row, expert) pairs sorted by expert, two grouped matmuls, then each row's pairs summed in
+    float32. Invalid rows' pairs sort last, outside every group: no expert computes them, and
+    they come out as zeros."""
+    n, k = experts.shape
+    num_experts, e, _, f = gate_up.shape
+    pair_expert = experts.reshape(n * k)
+    if valid is not None:
+        pair_expert = jnp.where(jnp.repeat(valid, k), pair_expert, num_experts)
+    order = jnp.argsort(pair_expert, stable=True)
+    sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[pair_expert].add(1)[:num_experts]
+    h = grouped_matmul(x[order // k], gate_up.reshape(num_experts, e, 2 * f), sizes)
+    h = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
+    y = grouped_matmul(h, down, sizes, preferred_element_type=jnp.float32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+    y = y[inverse].reshape(n, k, e)
+    weights = weights if valid is None else jnp.where(valid[:, None], weights, 0.0)
+    y = jnp.where(weights[..., None] != 0, y, 0.0)  # padding pairs: whatever the kernel left
+    return (y * weights[..., None]).sum(axis=1).astype(x.dtype)

@@ -1,0 +1,411 @@
+"""Hugging Face safetensors <-> our parameters, through a family's key table.
+
+A family (:mod:`focus_jax.models`) describes its checkpoints with a :class:`KeyTable`: each
+Hugging Face tensor, the parameter it fills and the transform between the two layouts (a torch
+``Linear`` weight is ``[out, in]``; ours are ``[in, ...out]`` for einsums). Per-layer tensors
+(``model.layers.N.<name>``) are stacked on the leading axis of their stack: ``layers`` (every
+layer), ``mlp`` (the dense layers of a sparse model) or ``moe`` (its sparse layers); expert
+tensors (``mlp.experts.X.<name>``) also on an expert axis after it. Some of our weights are
+several Hugging Face tensors side by side (:class:`Fused`): Q, K and V; an MLP's gate and up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from focus_jax import sharding
+from focus_jax.config import ConfigError, ModelConfig
+from focus_jax.models.decoder import Decoder
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def same(w: Any, cfg: ModelConfig) -> Any:
+    """The identity transform (norm scales, biases)."""
+    return w
+
+
+def transposed(w: Any, cfg: ModelConfig) -> Any:
+    """A torch Linear weight ``[out, in]`` as ``[in, out]`` (and back)."""
+    return w.T
+
+
+def linear(shape: Callable[[ModelConfig], tuple[int, ...]]) -> tuple[Transform, Transform]:
+    """A torch Linear weight ``[out, in]`` transposed to ``[in, ...out]`` of ``shape(cfg)``,
+    and back."""
+    return (lambda w, cfg: w.T.reshape(shape(cfg)),
+            lambda w, cfg: w.reshape(w.shape[0], -1).T)
+
+
+def linear_out(shape: Callable[[ModelConfig], tuple[int, ...]]) -> tuple[Transform, Transform]:
+    """A torch Linear weight ``[out, in]`` whose input axis we split: ``[...in, out]`` of
+    ``shape(cfg)`` (an output projection from heads), and back."""
+    return (lambda w, cfg: w.T.reshape(shape(cfg)),
+            lambda w, cfg: w.reshape(-1, w.shape[-1]).T)
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One Hugging Face tensor that fills the parameter ``path`` (per layer: its path in the
+    stack, the stack's name first), with the transforms between the layouts (of one layer's,
+    or one expert's, slice)."""
+
+    path: tuple[str, ...]
+    to_ours: Transform = same
+    to_hf: Transform = same
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """One of our per-layer weights made of several Hugging Face tensors side by side on
+    ``axis`` of one layer's (or expert's) slice, in the order of ``parts``. ``sizes(cfg)``:
+    each part's slices on that axis; ``shape(cfg, n)``: the slice with ``n`` there."""
+
+    axis: int
+    parts: tuple[str, ...]
+    sizes: Callable[[ModelConfig], tuple[int, ...]]
+    shape: Callable[[ModelConfig, int], tuple[int, ...]]
+    per_expert: bool = False
+    """The parts are ``expert`` names (one slice per expert)."""
+
+    def to_ours(self, part: str) -> Transform:
+        """A part's torch Linear weight ``[out, in]`` in our layout, ``[in, ...]``."""
+        size = self.sizes_of(part)
+
+        def transform(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+            shape = self.shape(cfg, size(cfg))
+            if w.size != math.prod(shape):
+                raise ConfigError(f"{part} has shape {tuple(w.shape)}, config.json implies "
+                                  f"{math.prod(shape[1:])} x {shape[0]}")
+            return w.T.reshape(shape)
+
+        return transform
+
+    def sizes_of(self, part: str) -> Callable[[ModelConfig], int]:
+        index = self.parts.index(part)
+        return lambda cfg: self.sizes(cfg)[index]
+
+    def join(self, parts: list[np.ndarray], cfg: ModelConfig, lead: int) -> np.ndarray:
+        """The stacked fused weight from its stacked parts (``lead`` leading stack axes), in
+        the order of ``parts``."""
+        return np.concatenate(
+            [part.reshape(*part.shape[:lead], *self.shape(cfg, size))
+             for part, size in zip(parts, self.sizes(cfg), strict=True)], axis=self.axis + lead)
+
+    def part(self, value: Any, name: str, cfg: ModelConfig) -> Any:
+        """Part ``name`` of one slice ``value`` of the fused weight, in torch layout."""
+        sizes = self.sizes(cfg)
+        where = self.parts.index(name)
+        start = sum(sizes[:where])
+        piece = jax.lax.slice_in_dim(value, start, start + sizes[where], axis=self.axis)
+        return piece.reshape(piece.shape[0], -1).T
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTable:
+    """A family's checkpoint layout: ``globals`` (full Hugging Face keys), ``layer`` (names
+    after ``model.layers.N.``), ``expert`` (names after ``model.layers.N.<experts>.X.``, ``X``
+    the expert) and ``fused`` (our weight's path -> its parts, each part a ``layer`` or
+    ``expert`` name mapped to that path)."""
+
+    globals: dict[str, Weight]
+    layer: dict[str, Weight]
+    expert: dict[str, Weight] = dataclasses.field(default_factory=dict)
+    fused: dict[tuple[str, ...], Fused] = dataclasses.field(default_factory=dict)
+    experts_prefix: str = "mlp.experts"
+
+    def weight(self, name: str, expert: bool) -> Weight:
+        """The entry of a per-layer (or per-expert) name, fused parts included."""
+        table = self.expert if expert else self.layer
+        if name in table:
+            return table[name]
+        for path, fused in self.fused.items():
+            if name in fused.parts and fused.per_expert == expert:
+                return Weight(path, fused.to_ours(name))
+        raise KeyError(name)
+
+    def names(self, expert: bool) -> list[str]:
+        """Every per-layer (or per-expert) name, fused parts included."""
+        table = self.expert if expert else self.layer
+        parts = [name for fused in self.fused.values() if fused.per_expert == expert
+                 for name in fused.parts]
+        return [*table, *parts]
+
+
+def stack_of(path: tuple[str, ...], cfg: ModelConfig) -> list[int]:
+    """The layers a per-layer weight's stack holds, in stack order."""
+    kinds = cfg.layer_kinds
+    if path[0] == "layers":
+        return list(range(cfg.num_layers))
+    kind = "sparse" if path[0] == "moe" else "dense"
+    return [i for i, k in enumerate(kinds) if k == kind]
+
+
+def not_utf8(path: Path, err: UnicodeDecodeError) -> ConfigError:
+    """The error for a checkpoint's text file that does not decode."""
+    return ConfigError(f"{path} is not UTF-8 text (byte {err.start}); re-download or re-convert "
+                       f"the checkpoint")
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path``; a file that is not UTF-8 JSON is a ``ConfigError`` naming it."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno} column "
+                          f"{err.colno}); re-download or re-convert the checkpoint") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: from the index when sharded, else the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(name, str) for name in weight_map.values()):
+            raise ConfigError(f"{index} is not a safetensors index (it needs a 'weight_map' "
+                              f"object of tensor name -> file name)")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ConfigError(f"{folder} lacks shard(s) named in its index: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} holds no *.safetensors weights (and no converted params/)")
+    return files
+
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+
+
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file, as read-only views of its memory map.
+
+    Read on the host, so that loading compiles nothing and sends each parameter to the device
+    once, already in its final layout (a reader returning jax arrays made every transpose and
+    the per-layer stacking an XLA computation: 7 of the bundled model's 8 s of loading on CPU).
+    The format: an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
+    shape and byte range, then the data.
+    """
+    if file.stat().st_size < 8:
+        raise ConfigError(f"{file} is not a safetensors file ({file.stat().st_size} bytes); "
+                          f"is the download incomplete?")
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    try:
+        size = int(data[:8].view("<u8")[0])
+        header = json.loads(bytes(data[8:8 + size]))
+    except (ValueError, IndexError) as err:
+        raise ConfigError(f"{file} is not a safetensors file ({err})") from None
+    header.pop("__metadata__", None)
+    tensors = {}
+    for key, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ConfigError(f"tensor {key!r} in {file.name} has dtype {info['dtype']}, "
+                              f"which focus_jax does not read")
+        begin, end = (8 + size + offset for offset in info["data_offsets"])
+        try:
+            tensors[key] = data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        except ValueError as err:
+            raise ConfigError(f"tensor {key!r} in {file.name} does not match its header "
+                              f"({err}); is the file truncated?") from None
+    return tensors
+
+
+
+def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.Array:
+    """A host tensor on the default device, or on ``mesh`` with its parameter's sharding, each
+    device given only its own slice of it (this process's devices: the others load theirs)."""
+    if mesh is None:
+        return jnp.asarray(value)
+    where = sharding.param_sharding(var, mesh)
+    return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def abstract_decoder(cfg: ModelConfig) -> Decoder:
+    """The decoder's structure with shapes only, nothing allocated."""
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+def _table(cfg: ModelConfig) -> KeyTable:
+    from focus_jax.models import family  # the registry imports the families, which import this
+
+    return family(cfg.model_type).key_table
+
+
+class _Collected:
+    """One per-layer (or per-expert) name's slices as they are read, in a stacked array."""
+
+    def __init__(self, count: int, experts: int | None):
+        self.lead = (count,) if experts is None else (count, experts)
+        self.array: np.ndarray | None = None
+        self.filled = np.zeros(self.lead, bool)
+
+    def put(self, at: tuple[int, ...], value: np.ndarray) -> None:
+        if self.array is None:
+            self.array = np.empty((*self.lead, *value.shape), value.dtype)
+        self.array[at] = value
+        self.filled[at] = True
+
+
+def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -> Decoder:
+    """Build the decoder from a Hugging Face folder's safetensors weights, through its family's
+    key table, cast to the parameters' dtypes (``cfg.dtype``; routers float32): on the default
+    device, or each tensor straight into its shards of ``mesh`` (from host memory: no device
+    holds more of a tensor than its own shard)."""
+    table = _table(cfg)
+    abstract = abstract_decoder(cfg)
+    expected = {path: var for path, var in nnx.to_flat_state(nnx.state(abstract))}
+    experts_key = re.compile(re.escape(table.experts_prefix) + r"\.(\d+)\.(.+)")
+    num_experts = None if cfg.moe is None else cfg.moe.num_experts
+    flat: dict[tuple[str, ...], np.ndarray] = {}
+    collected: dict[tuple[str, bool], _Collected] = {}
+    for file in safetensors_files(folder):
+        for key, tensor in read_safetensors(file).items():
+            if key in table.globals:
+                weight = table.globals[key]
+                dtype = expected[weight.path].dtype if weight.path in expected else tensor.dtype
+                flat[weight.path] = weight.to_ours(tensor, cfg).astype(dtype)
+                continue
+            match = _LAYER_KEY.fullmatch(key)
+            if not match:
+                raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
+            index, name = int(match.group(1)), match.group(2)
+            expert_match = experts_key.fullmatch(name) if num_experts else None
+            expert = None
+            if expert_match:
+                expert, name = int(expert_match.group(1)), expert_match.group(2)
+            try:
+                weight = table.weight(name, expert is not None)
+            except KeyError:
+                raise ConfigError(f"unexpected tensor {key!r} in {file.name}") from None
+            layers = stack_of(weight.path, cfg)
+            if index not in layers or (expert is not None and expert >= num_experts):
+                where = (f"layer {index} of {cfg.num_layers}" if index >= cfg.num_layers else
+                         f"expert {expert} of {num_experts}" if expert is not None
+                         and expert >= num_experts else
+                         f"layer {index} is {cfg.layer_kinds[index]} by config.json")
+                raise ConfigError(f"unexpected tensor {key!r} in {file.name} ({where})")
+            slot = collected.setdefault((name, expert is not None),
+                                        _Collected(len(layers), num_experts if expert is not None
+                                                   else None))
+            dtype = expected[weight.path].dtype if weight.path in expected else tensor.dtype
+            at = (layers.index(index),) if expert is None else (layers.index(index), expert)
+            slot.put(at, weight.to_ours(tensor, cfg).astype(dtype))
+    for (name, expert), slot in collected.items():
+        if not slot.filled.all():
+            missing = sorted({int(i) for i in np.argwhere(~slot.filled)[:, 0]})
+            layers = stack_of(table.weight(name, expert).path, cfg)
+            raise ConfigError(f"weights lack layer(s) {[layers[i] for i in missing][:5]} of "
+                              f"{name}" + (" (some experts)" if expert else ""))
+    for expert in (False, True):
+        for name in table.names(expert):
+            path = table.weight(name, expert).path
+            if path in table.fused or (name, expert) not in collected:
+                continue
+            flat[path] = collected[(name, expert)].array
+    for path, fused in table.fused.items():
+        expert = fused.per_expert
+        present = [part for part in fused.parts if (part, expert) in collected]
+        if not present:
+            continue  # absent from the config too, or reported as missing by _fill
+        absent = [part for part in fused.parts if (part, expert) not in collected]
+        if absent:
+            raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
+        flat[path] = fused.join([collected[(part, expert)].array for part in fused.parts], cfg,
+                                lead=2 if expert else 1)
+    if cfg.tie_word_embeddings:
+        flat.pop(("lm_head",), None)
+    return _fill(abstract, flat, folder, mesh)
+
+
+def _fill(model: Decoder, flat: dict[tuple[str, ...], np.ndarray], origin: Path,
+          mesh: Mesh | None = None) -> Decoder:
+    graphdef, state = nnx.split(model)
+    expected = {path: var for path, var in nnx.to_flat_state(state)}
+    missing = sorted(".".join(p) for p in expected if p not in flat)
+    if missing:
+        raise ConfigError(f"weights in {origin} lack: {', '.join(missing[:8])}")
+    for path, value in flat.items():
+        if path not in expected:
+            raise ConfigError(f"weights in {origin} hold {'.'.join(path)}, which the config "
+                              f"does not have (tie_word_embeddings?)")
+        want = expected[path].shape
+        if value.shape != want:
+            raise ConfigError(f"{'.'.join(path)} in {origin} has shape {tuple(value.shape)}, "
+                              f"config.json implies {tuple(want)}")
+        expected[path].set_value(_place(value, expected[path], mesh))
+    return nnx.merge(graphdef, state)
+
+
+def save_safetensors(model: Decoder, folder: Path, max_shard_bytes: int = 15 << 20) -> list[Path]:
+    """Write the weights as Hugging Face safetensors in the family's layout (sharded with an
+    index when over ``max_shard_bytes``), what :func:`load_safetensors` reads."""
+    from safetensors.flax import save_file
+
+    cfg = model.config
+    table = _table(cfg)
+    _, state = nnx.split(model)
+    flat = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
+    tensors: dict[str, jax.Array] = {}
+    for key, weight in table.globals.items():
+        if weight.path in flat:
+            tensors[key] = weight.to_hf(flat[weight.path], cfg)
+    for expert in (False, True):
+        for name in table.names(expert):
+            weight = table.weight(name, expert)
+            if weight.path not in flat:
+                continue
+            stacked, fused = flat[weight.path], table.fused.get(weight.path)
+
+            def torch_layout(value: jax.Array, name=name, weight=weight, fused=fused) -> jax.Array:
+                return fused.part(value, name, cfg) if fused else weight.to_hf(value, cfg)
+
+            for slot, layer in enumerate(stack_of(weight.path, cfg)):
+                if expert:
+                    for x in range(stacked.shape[1]):
+                        tensors[f"model.layers.{layer}.{table.experts_prefix}.{x}.{name}"] = (
+                            torch_layout(stacked[slot, x]))
+                else:
+                    tensors[f"model.layers.{layer}.{name}"] = torch_layout(stacked[slot])
+    shards: list[dict[str, jax.Array]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].size * tensors[key].dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key in shard}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(folder / name))
+    return [folder / name for name in names]
