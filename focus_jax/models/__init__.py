@@ -6,6 +6,7 @@ through a small protocol.
 |---|---|---|
 | :mod:`~focus_jax.models.qwen3` | ``sdar``, ``qwen3`` | dense SwiGLU |
 | :mod:`~focus_jax.models.qwen3_moe` | ``sdar_moe``, ``qwen3_moe`` | softmax top-k experts |
+| :mod:`~focus_jax.models.llada2` | ``llada2_moe`` | sigmoid group-limited experts + shared |
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from focus_jax.config import ConfigError, ModelConfig, MoEConfig
-from focus_jax.models import qwen3, qwen3_moe
+from focus_jax.models import llada2, qwen3, qwen3_moe
 from focus_jax.models.family import Family
 
-FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llada2.FAMILY)
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES for model_type in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
 
