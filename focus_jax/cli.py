@@ -17,6 +17,9 @@ from focus_jax.engine import RequestError, RunStats
 from focus_jax.tasks import WORKED
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tiny"
+GEOMETRY_NAMES = ("sdar-1.7b", "sdar-8b", "sdar-30b-a3b", "llada2-mini")
+"""The named geometries of :data:`focus_jax.models.GEOMETRIES` (listed here: the parser is
+built before the models are imported)."""
 # Held-out questions (tests check that the training stream never yields them).
 DEMO_PROMPTS = ("Add: 257+468", "Reverse: p a l l a s",
                 "Ana has 12 apples, gets 9 more, gives away 6 and gets 3 more. "
@@ -631,7 +634,7 @@ def _check_kernels(kernels: str | None) -> None:
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be = sub.add_parser("bench", help="closed-loop throughput of the modes")
-    be.add_argument("--geometry", choices=("sdar-1.7b", "sdar-8b"), default=None,
+    be.add_argument("--geometry", choices=GEOMETRY_NAMES, default=None,
                     help="random weights of this geometry (else --model)")
     be.add_argument("--model", type=Path, default=None)
     be.add_argument("--batches", default="32")
@@ -731,7 +734,7 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
                                               "and check that it fits the chips' HBM")
     cc.add_argument("--topology", required=True,
                     help="TPU slice as libtpu names it: v5e:1x1, v5e:2x4, v6e:2x4, v5p:2x2x1, ...")
-    cc.add_argument("--geometry", choices=("sdar-1.7b", "sdar-8b"), default=None,
+    cc.add_argument("--geometry", choices=GEOMETRY_NAMES, default=None,
                     help="a named model geometry (else --model)")
     cc.add_argument("--model", type=Path, default=None, help="a model folder (its config.json)")
     cc.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)

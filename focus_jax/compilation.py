@@ -105,7 +105,7 @@ def prefill_program(platform: str, graphdef: nnx.GraphDef, settings: decoding.De
     def make() -> Callable:
         def prefill(params, state, tokens, length, slot, slot_params):
             return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot,
-                                    slot_params, block, mask)
+                                    slot_params, block, mask, settings.mesh)
 
         return _jit(prefill, platform)
 

@@ -50,6 +50,17 @@ class Target:
     prefill_batch: int
     hbm_bytes: int
     """What a program may use per chip."""
+    expert: int = 1
+    """The mesh's expert axis (a mixture's experts split over it)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """Sizes of the mesh axes, in :data:`focus_jax.sharding.AXES` order."""
+        return self.data, self.expert, self.model
+
+    @property
+    def chips(self) -> int:
+        return self.data * self.expert * self.model
 
     @property
     def block_size(self) -> int:
@@ -66,7 +77,8 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                 hbm_gib: float | None = None) -> Target:
     """Check every option (cheaply: nothing is compiled) and return the target.
 
-    ``mesh``: ``"data=2,model=4"`` (required when the topology has more than one chip);
+    ``mesh``: ``"data=2,model=4"`` or ``"data=2,expert=4"`` (required when the topology has
+    more than one chip);
     ``prompt_lengths``: compile prefill at the buckets of these lengths (``None``: at every
     bucket the engine has; empty: none); ``hbm_gib``: the HBM a program may use per chip
     (default: the chip's).
@@ -75,10 +87,10 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
     if mesh is None and slice_.chips > 1:
         raise ConfigError(f"{slice_.name} has {slice_.chips} chips: give --mesh data=D,model=M "
                           f"(D x M chips; data=1,model=1 for one of them)")
-    sizes = sharding.parse_mesh(mesh) if mesh else {"data": 1, "model": 1}
-    if sizes["data"] * sizes["model"] > slice_.chips:
-        raise ConfigError(f"mesh {mesh} needs {sizes['data'] * sizes['model']} chips, "
-                          f"{slice_.name} has {slice_.chips}")
+    sizes = sharding.parse_mesh(mesh) if mesh else {"data": 1, "expert": 1, "model": 1}
+    chips = sizes["data"] * sizes["expert"] * sizes["model"]
+    if chips > slice_.chips:
+        raise ConfigError(f"mesh {mesh} needs {chips} chips, {slice_.name} has {slice_.chips}")
     block = generation.block_size or cfg.block_size
     if block is None:
         raise ConfigError("the model's config.json names no block_size: give --block-size")
@@ -104,7 +116,8 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
     return Target(cfg, slice_, sizes["data"], sizes["model"], slots, positions,
                   generation.replace(block_size=block), buckets,
                   prefill_batch or default_prefill_batch(slots),
-                  round(hbm_gib * tpu.GIB) if hbm_gib else slice_.chip.hbm_bytes)
+                  round(hbm_gib * tpu.GIB) if hbm_gib else slice_.chip.hbm_bytes,
+                  expert=sizes["expert"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +170,14 @@ def resident(target: Target) -> sharding.Resident:
     """Bytes per chip of the weights and the decode state, as the engine places them (no libtpu
     needed: an abstract mesh of the target's shape)."""
     _, params, state = _shapes(target)
-    mesh = AbstractMesh((target.data, target.model), sharding.AXES)
+    mesh = AbstractMesh(target.mesh_shape, sharding.AXES)
     return sharding.resident_bytes(params, state, mesh)
 
 
 def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
     """Compile each program (prefill per bucket, then the decode round unless ``decode`` is
     false), yielding its report as soon as it is compiled."""
-    mesh = tpu.make_mesh(target.topology, target.data, target.model)
+    mesh = tpu.make_mesh(target.topology, target.data, target.model, target.expert)
     graphdef, params, state = _shapes(target)
     params = tpu.abstract(params, sharding.param_shardings(params, mesh))
     state = tpu.abstract(state, sharding.state_sharding(state, mesh))
@@ -237,7 +250,7 @@ def decode_flops_range(target: Target) -> tuple[float, float]:
     compactions (on every data shard), every row attending to the whole cache."""
     # The ladders are per data shard: settings on a mesh of the target's shape (abstract, so
     # no libtpu is needed).
-    step = settings(target, AbstractMesh((target.data, target.model), sharding.AXES))
+    step = settings(target, AbstractMesh(target.mesh_shape, sharding.AXES))
     largest = target.slots * target.block_size
     smallest = step.retained_ladder[0] * target.data
     return tuple(decode_step_flops(target.cfg, step, target.slots, rows, rows, target.positions)
@@ -281,11 +294,12 @@ def format_report(report: ProgramReport) -> str:
 
 def describe(target: Target) -> str:
     """What is compiled for which slice, and what stays in memory between programs."""
-    cfg, kept, chips = target.cfg, resident(target), target.data * target.model
+    cfg, kept, chips = target.cfg, resident(target), target.chips
     largest, smallest = decode_flops_range(target)
     return "\n".join([
         f"{target.topology.name}: {target.topology.chips} x {target.topology.chip.device_kind}, "
-        f"{_gib(target.hbm_bytes)} GiB HBM per chip; mesh data={target.data},model={target.model}",
+        f"{_gib(target.hbm_bytes)} GiB HBM per chip; mesh data={target.data},expert={target.expert},"
+        f"model={target.model}",
         f"model: {cfg.num_params / 1e9:.2f}B parameters in {cfg.dtype}; batch {target.slots} x "
         f"{target.positions} positions, block {target.block_size}, mode "
         f"{target.generation.mode}, kernels {target.kernels}, "

@@ -168,18 +168,19 @@ def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
 
 def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
             length: Int[Array, "n"], slot: Int[Array, "n"], params: SlotParams,
-            block_size: int, mask_token_id: int) -> DecodeState:
+            block_size: int, mask_token_id: int, mesh: Mesh | None = None) -> DecodeState:
     """Start requests in slots (SPEC 2): write the KV of every full prompt block but the last.
 
     ``tokens`` are prompts right-padded to a common length (a multiple of B); rows whose ``slot``
     is out of range are padding and change nothing. The block holding the prompt tail (or a
     fresh block when the prompt fills its blocks) becomes the active block, its prompt positions
-    ``UNMASKED``. ``params`` are the requests' parameters (``n`` rows).
+    ``UNMASKED``. ``params`` are the requests' parameters (``n`` rows); ``mesh``: the mesh
+    the parameters and state live on.
     """
     b, mask = block_size, mask_token_id
     n, t = tokens.shape
     history = (length // b) * b
-    _, (k, v) = forward(model, tokens, b)
+    _, (k, v) = forward(model, tokens, b, mesh)
     cache = state.cache.write_prefix(slot, history, k, v)
 
     position = history[:, None] + jnp.arange(b)
@@ -381,7 +382,7 @@ class _Layers:
                            self.settings.mesh)
         attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
                          block_size=self.block_size, layout=layout)
-        return layer.finish(x, attn, valid)
+        return layer.finish(x, attn, valid, self.settings.mesh)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the
     # bucket switch: a switch that returned the cache would make XLA allocate (or copy) the

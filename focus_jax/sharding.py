@@ -1,4 +1,5 @@
-"""Sharding over a ``("data", "model")`` mesh: slots over ``data``, heads and MLP over ``model``.
+"""Sharding over a ``("data", "expert", "model")`` mesh: slots over ``data``, a mixture's
+experts over ``expert``, heads and the width of MLPs and experts over ``model``.
 
 Parameters carry logical axis names (see ``models/layers.py``); :data:`RULES` maps them to mesh
 axes. The decode state and KV cache are sharded by slot over ``data`` (and the cache's KV heads
@@ -18,35 +19,38 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from focus_jax.config import ConfigError, ModelConfig
 
-AXES = ("data", "model")
+AXES = ("data", "expert", "model")
 RULES: Mapping[str, str | None] = {
     "vocab": "model", "embed": None, "heads": "model", "kv_heads": "model", "head_dim": None,
     "mlp": "model", "layers": None, "norm": None, "qkv": None, "gate_up": None,
-    "expert": None, "expert_mlp": "model", "router": None,
+    "expert": "expert", "expert_mlp": "model", "router": None,
 }
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}`` (missing axes are 1)."""
-    sizes = {"data": 1, "model": 1}
+    """``"data=2,model=4"`` -> ``{"data": 2, "expert": 1, "model": 4}`` (missing axes are 1)."""
+    sizes = {"data": 1, "expert": 1, "model": 1}
     named = set()
     for part in (p.strip() for p in spec.split(",")):
         name, _, value = part.partition("=")
         # An empty part (a stray comma) or a repeated axis is a typo, not a 1x1 mesh.
         if name not in sizes or name in named or not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"bad mesh {spec!r}: expected e.g. data=2,model=4")
+            raise ConfigError(f"bad mesh {spec!r}: expected e.g. data=2,model=4 (axes: data, "
+                              f"expert, model)")
         named.add(name)
         sizes[name] = int(value)
     return sizes
 
 
-def make_mesh(data: int = 1, model: int = 1, devices: list | None = None) -> Mesh:
-    """A ``("data", "model")`` mesh over the first ``data * model`` devices."""
+def make_mesh(data: int = 1, model: int = 1, devices: list | None = None,
+              expert: int = 1) -> Mesh:
+    """A ``("data", "expert", "model")`` mesh over the first ``data * expert * model`` devices."""
     devices = jax.devices() if devices is None else devices
-    if data * model > len(devices):
-        raise ConfigError(f"mesh data={data},model={model} needs {data * model} devices, "
-                          f"{len(devices)} available")
-    return Mesh(np.array(devices[:data * model]).reshape(data, model), AXES)
+    count = data * expert * model
+    if count > len(devices):
+        raise ConfigError(f"mesh data={data},expert={expert},model={model} needs {count} "
+                          f"devices, {len(devices)} available")
+    return Mesh(np.array(devices[:count]).reshape(data, expert, model), AXES)
 
 
 def check_divisible(cfg: ModelConfig, mesh: Mesh | Mapping[str, int],
@@ -54,11 +58,26 @@ def check_divisible(cfg: ModelConfig, mesh: Mesh | Mapping[str, int],
     """Clear errors when a sharded dimension does not divide by its mesh axis (``mesh``: a mesh or
     its axis sizes)."""
     sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
-    model, data = sizes["model"], sizes["data"]
-    for name, size in (("num_attention_heads", cfg.num_heads),
-                       ("num_key_value_heads", cfg.num_kv_heads),
-                       ("intermediate_size", cfg.intermediate_size),
-                       ("vocab_size", cfg.vocab_size)):
+    model, data, expert = sizes["model"], sizes["data"], sizes.get("expert", 1)
+    split_by_model = [("num_attention_heads", cfg.num_heads),
+                      ("num_key_value_heads", cfg.num_kv_heads),
+                      ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)]
+    if cfg.moe is not None:
+        split_by_model += [("moe_intermediate_size", cfg.moe.expert_size),
+                           ("the shared experts' width", cfg.moe.shared_expert_size)]
+        if cfg.moe.num_experts % expert:
+            raise ConfigError(f"num_experts = {cfg.moe.num_experts} does not divide by the "
+                              f"mesh's expert axis ({expert})")
+        if data > 1 and expert > 1 and model > 1:
+            # The step's kernels then run in shard_map over expert and model inside one over
+            # data, which XLA 0.11.2's partitioner fails on (a check failure in
+            # spmd_partitioner_util, seen on 8 CPU devices at data=2,expert=2,model=2).
+            raise ConfigError(f"a mesh with data ({data}), expert ({expert}) and model ({model}) "
+                              f"axes all above 1 is not supported yet: use two of them")
+    elif expert > 1:
+        raise ConfigError(f"the mesh's expert axis ({expert}) needs a mixture-of-experts model; "
+                          f"{cfg.model_type} has none")
+    for name, size in split_by_model:
         if size % model:
             raise ConfigError(f"{name} = {size} does not divide by the mesh's model axis ({model})")
     if slots is not None and slots % data:
@@ -66,13 +85,17 @@ def check_divisible(cfg: ModelConfig, mesh: Mesh | Mapping[str, int],
                           f"batch size that is a multiple of {data}")
 
 
-def spec_for(axes: tuple[str | None, ...]) -> PartitionSpec:
-    return PartitionSpec(*(RULES.get(a) if a else None for a in axes))
+def spec_for(axes: tuple[str | None, ...], mesh_axes: tuple[str, ...] = AXES) -> PartitionSpec:
+    """The PartitionSpec of logical ``axes`` by :data:`RULES` (mesh axes a mesh lacks:
+    replicated)."""
+    return PartitionSpec(*(RULES.get(a) if a and RULES.get(a) in mesh_axes else None
+                           for a in axes))
 
 
 def param_sharding(var: nnx.Variable, mesh: Mesh) -> NamedSharding:
     """A parameter's NamedSharding on ``mesh``, from its logical axis names."""
-    return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or ()))
+    return NamedSharding(mesh, spec_for(var.get_metadata().get("out_sharding") or (),
+                                        mesh.axis_names))
 
 
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:

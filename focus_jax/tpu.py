@@ -154,13 +154,13 @@ def devices(topology: Topology) -> list[jax.Device]:
     return list(found[:1] if single else found)
 
 
-def make_mesh(topology: Topology, data: int, model: int) -> Mesh:
-    """A ``("data", "model")`` mesh over the topology's chips, in the order the engine takes
-    devices (the first ``data * model``)."""
-    if data * model > topology.chips:
-        raise ConfigError(f"mesh data={data},model={model} needs {data * model} chips, "
-                          f"{topology.name} has {topology.chips}")
-    return sharding.make_mesh(data, model, devices(topology))
+def make_mesh(topology: Topology, data: int, model: int, expert: int = 1) -> Mesh:
+    """A ``("data", "expert", "model")`` mesh over the topology's chips, in the order the engine
+    takes devices (the first ``data * expert * model``)."""
+    if data * expert * model > topology.chips:
+        raise ConfigError(f"mesh data={data},expert={expert},model={model} needs "
+                          f"{data * expert * model} chips, {topology.name} has {topology.chips}")
+    return sharding.make_mesh(data, model, devices(topology), expert=expert)
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

@@ -16,7 +16,10 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 SLOTS = "data"
 """The mesh axis that splits slots (the KV cache's slot axis, a decode state's leading axis)."""
 HEADS = "model"
-"""The mesh axis that splits attention heads (query heads with their KV heads)."""
+"""The mesh axis that splits attention heads (query heads with their KV heads), and the width of
+MLPs and experts."""
+EXPERTS = "expert"
+"""The mesh axis that splits a mixture of experts' experts."""
 
 
 def free_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:

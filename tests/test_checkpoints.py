@@ -170,7 +170,7 @@ def test_weights_and_decode_state_that_do_not_fit_the_device_are_a_clear_error(m
     other_process.process_index = 1
     fits(abstract, [_Device(weights + state), other_process])  # reports for its own only
     # Slots over data=2: each device holds half the state (and, replicated, all the weights).
-    two = AbstractMesh((2, 1), sharding.AXES)
+    two = AbstractMesh((2, 1, 1), sharding.AXES)
     on_each = sharding.resident_bytes(abstract, shapes, two)
     assert on_each.decode_state < state and on_each.weights == weights
     fits(abstract, [_Device(on_each.total)] * 2, two)

@@ -96,3 +96,15 @@ def test_grouped_experts_equal_a_per_row_computation_and_skip_invalid_rows(moe):
             expected[i] += float(weights[i, j]) * (h @ np.asarray(down[experts[i, j]]))
     expected[~np.asarray(valid)] = 0.0
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_command_line_names_every_geometry():
+    from focus_jax.cli import GEOMETRY_NAMES
+    from focus_jax.models import GEOMETRIES, geometry
+
+    assert set(GEOMETRY_NAMES) == set(GEOMETRIES)
+    moe = geometry("sdar-30b-a3b")
+    assert moe.model_type == "sdar_moe" and moe.layer_kinds == ("sparse",) * 48
+    assert 29e9 < moe.num_params < 32e9 and 2.5e9 < moe.active_params < 3.6e9
+    mini = geometry("llada2-mini")
+    assert mini.layer_kinds[:2] == ("dense", "sparse") and 15e9 < mini.num_params < 17.5e9

@@ -30,6 +30,15 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
     # The server's round interrupts (a host callback in the round's loop) on a 2x4 mesh.
     assert [r.pop("interrupted") for r in rows if "interrupted" in r] == [
         {"steps": [1, 1, 1], "equal": True}]
+    # Experts split over an expert axis (with data and model axes): the same tokens, and each
+    # device holds [sparse layers, experts / expert, E, 2, width / model] of the experts.
+    experts = [r.pop("experts") for r in rows if "experts" in r]
+    assert len(experts) == 1 and len(experts[0]) == 6, experts
+    assert {tuple(r["mesh"]) for r in experts[0]} == {(2, 4, 1), (1, 8, 1), (1, 4, 2)}
+    for row in experts[0]:
+        data, expert, model = row["mesh"]
+        assert row["equal"], row
+        assert row["gate_up_shard_shape"] == [3, 16 // expert, 64, 2, 32 // model], row
     rows = [r for r in rows if r]
     # Data parallel: no activations cross devices inside the step (before each shard stepped
     # its own slots, a data=2 round of the tiny model held 75 all-reduces and 22 all-gathers);
@@ -50,8 +59,9 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
 
 
 def test_mesh_spec_parsing_and_errors():
-    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
-    assert parse_mesh("model=2") == {"data": 1, "model": 2}
+    assert parse_mesh("data=2,model=4") == {"data": 2, "expert": 1, "model": 4}
+    assert parse_mesh("model=2") == {"data": 1, "expert": 1, "model": 2}
+    assert parse_mesh("data=2,expert=4") == {"data": 2, "expert": 4, "model": 1}
     with pytest.raises(ConfigError, match="bad mesh"):
         parse_mesh("data=two")
     with pytest.raises(ConfigError, match="needs 4 devices"):
@@ -63,6 +73,23 @@ def test_dimension_that_does_not_divide_is_a_clear_error(model):
         check_divisible(model.config, {"data": 3, "model": 1}, slots=4)
     with pytest.raises(ConfigError, match="num_attention_heads = 4 does not divide"):
         check_divisible(model.config, {"data": 1, "model": 3})
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        check_divisible(model.config, {"data": 1, "expert": 2, "model": 1})
+
+
+def test_expert_axis_errors_name_the_field():
+    from focus_jax.models import geometry
+
+    mini = geometry("llada2-mini")  # 256 experts of width 512
+    check_divisible(mini, {"data": 2, "expert": 8, "model": 1})
+    with pytest.raises(ConfigError, match="num_experts = 256 does not divide by the mesh's expert"):
+        check_divisible(mini, {"data": 1, "expert": 3, "model": 1})
+    with pytest.raises(ConfigError, match="moe_intermediate_size = 512 does not divide"):
+        check_divisible(mini.replace(num_heads=12, num_kv_heads=3, vocab_size=157182,
+                                     intermediate_size=5121),
+                        {"data": 1, "expert": 1, "model": 3})
+    with pytest.raises(ConfigError, match="all above 1 is not supported"):
+        check_divisible(mini, {"data": 2, "expert": 2, "model": 2})
 
 
 def test_a_one_device_mesh_decodes_like_no_mesh(model):

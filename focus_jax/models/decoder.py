@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax.config import ModelConfig
@@ -47,7 +48,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs) if cfg.moe is None else None
 
 
-FeedForward = Callable[[Array, Array | None], Array]
+FeedForward = Callable[[Array, Array | None, Mesh | None], Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Layer:
 
     block: DecoderLayer
     feed_forward: FeedForward
-    """``(x, valid) -> y``: the layer's MLP or experts on normed hidden states."""
+    """``(x, valid, mesh) -> y``: the layer's MLP or experts on normed hidden states."""
 
     def qkv(self, x: Float[Array, "... n e"], positions: Int[Array, "... n"]):
         """The first half: input norm, projections, q/k-norm, RoPE. Queries ``[..., n, H, D]``,
@@ -64,11 +65,13 @@ class Layer:
         return self.block.attn.qkv(self.block.input_norm(x), positions)
 
     def finish(self, x: Float[Array, "... n e"], attn: Float[Array, "... n h d"],
-               valid: Bool[Array, "n"] | None = None) -> Float[Array, "... n e"]:
+               valid: Bool[Array, "n"] | None = None,
+               mesh: Mesh | None = None) -> Float[Array, "... n e"]:
         """The second half: output projection and residual, then the feed-forward and residual.
-        ``valid``: the rows that matter (padding rows of a bucket are False; experts skip them)."""
+        ``valid``: the rows that matter (padding rows of a bucket are False; experts skip them).
+        ``mesh``: the mesh the caller runs on (experts split over its ``expert`` axis)."""
         x = x + self.block.attn.output(attn.astype(x.dtype))
-        return x + self.feed_forward(self.block.post_attn_norm(x), valid)
+        return x + self.feed_forward(self.block.post_attn_norm(x), valid, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +158,7 @@ class Decoder(nnx.Module):
         if kind == "sparse":
             return ffn
         mlp = block.mlp if ffn is None else ffn
-        return lambda x, valid: mlp(x)
+        return lambda x, valid, mesh: mlp(x)
 
     def _layer(self, index: int | jax.Array, run: Run) -> Layer:
         """Layer ``index`` of ``run`` (``index`` may be traced within the run)."""
@@ -248,24 +251,26 @@ def dense_attention(q: Float[Array, "b t h d"], k: Float[Array, "b s kvh d"],
 
 
 def forward_hidden(model: Decoder, tokens: Int[Array, "b t"], positions: Int[Array, "b t"],
-                   mask: Array, unroll: bool = False):
+                   mask: Array, unroll: bool = False, mesh: Mesh | None = None):
     """Uncached forward under an arbitrary attention mask (``[t, t]`` or ``[b, t, t]``, True where
     a query sees a key). Returns the last hidden states ``[b, t, e]`` and every layer's keys and
-    values ``[L, b, t, KVH, D]``."""
+    values ``[L, b, t, KVH, D]``. ``mesh``: the mesh the parameters live on."""
 
     def body(layer: Layer, x: jax.Array, _: None):
         q, k, v = layer.qkv(x, positions)
-        return layer.finish(x, dense_attention(q, k, v, mask)), (k, v)
+        return layer.finish(x, dense_attention(q, k, v, mask), mesh=mesh), (k, v)
 
     return model.scan_layers(body, model.embed_tokens(tokens), unroll=unroll)
 
 
-def forward(model: Decoder, tokens: Int[Array, "b t"], block_size: int):
-    """Uncached block-causal forward over whole sequences.
+def forward(model: Decoder, tokens: Int[Array, "b t"], block_size: int,
+            mesh: Mesh | None = None):
+    """Uncached block-causal forward over whole sequences (``mesh``: the parameters' mesh).
 
     Returns float32 logits ``[b, t, vocab]`` and every layer's keys and values
     ``[L, b, t, KVH, D]`` (what prefill writes into the cache).
     """
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x, kv = forward_hidden(model, tokens, positions, block_causal_mask(tokens.shape[1], block_size))
+    x, kv = forward_hidden(model, tokens, positions, block_causal_mask(tokens.shape[1], block_size),
+                           mesh=mesh)
     return model.head(x), kv

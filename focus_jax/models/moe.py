@@ -14,10 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax.config import ModelConfig, MoEConfig
 from focus_jax.models.layers import MLP, init, param
+from pallas_kernels import sharding
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 NORM_EPS = 1e-20
@@ -47,15 +49,17 @@ class MoE(nnx.Module):
         return route(self.settings, x, self.router[...],
                      None if self.expert_bias is None else self.expert_bias[...])
 
-    def __call__(self, x: Float[Array, "... e"],
-                 valid: Bool[Array, "n"] | None = None) -> Float[Array, "... e"]:
+    def __call__(self, x: Float[Array, "... e"], valid: Bool[Array, "n"] | None = None,
+                 mesh: Mesh | None = None) -> Float[Array, "... e"]:
         """The feed-forward of normed hidden states; rows where ``valid`` is False (``x``
-        then ``[n, e]``) come out as zeros plus the shared expert's output."""
+        then ``[n, e]``) come out as zeros plus the shared expert's output. On ``mesh`` the
+        experts split over its ``expert`` axis and their width over ``model``
+        (:func:`run_experts_sharded`)."""
         lead, e = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, e)
         experts, weights = self.route(rows)
-        routed = run_experts(rows, experts, weights, self.gate_up_proj[...], self.down_proj[...],
-                             valid)
+        routed = run_experts_sharded(mesh, rows, experts, weights, self.gate_up_proj[...],
+                                     self.down_proj[...], valid)
         if self.shared is not None:
             routed = routed + self.shared(rows)
         return routed.reshape(*lead, e)
@@ -90,16 +94,21 @@ def route(m: MoEConfig, x: Float[Array, "n e"], router: Float[Array, "e x"],
 
 def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Float[Array, "n k"],
                 gate_up: Float[Array, "x e 2 f"], down: Float[Array, "x f e"],
-                valid: Bool[Array, "n"] | None = None) -> Float[Array, "n e"]:
+                valid: Bool[Array, "n"] | None = None, *, pairs: Bool[Array, "n k"] | None = None,
+                out_dtype: jnp.dtype | None = None) -> Float[Array, "n e"]:
     """``sum_j weights[i, j] * expert_{experts[i, j]}(x[i])`` for every row: the ``n * k``
     (row, expert) pairs sorted by expert, two grouped matmuls, then each row's pairs summed in
-    float32. Invalid rows' pairs sort last, outside every group: no expert computes them, and
-    they come out as zeros."""
+    float32 (returned as ``out_dtype``, default ``x``'s). Pairs of invalid rows (and those
+    ``pairs`` leaves out) sort last, outside every group: no expert computes them, and they add
+    nothing."""
     n, k = experts.shape
     num_experts, e, _, f = gate_up.shape
+    keep = pairs if valid is None else valid[:, None] if pairs is None else valid[:, None] & pairs
     pair_expert = experts.reshape(n * k)
-    if valid is not None:
-        pair_expert = jnp.where(jnp.repeat(valid, k), pair_expert, num_experts)
+    if keep is not None:
+        keep = jnp.broadcast_to(keep, (n, k))
+        pair_expert = jnp.where(keep.reshape(n * k), pair_expert, num_experts)
+        weights = jnp.where(keep, weights, 0.0)
     order = jnp.argsort(pair_expert, stable=True)
     sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[pair_expert].add(1)[:num_experts]
     h = grouped_matmul(x[order // k], gate_up.reshape(num_experts, e, 2 * f), sizes)
@@ -107,6 +116,38 @@ def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Flo
     y = grouped_matmul(h, down, sizes, preferred_element_type=jnp.float32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[inverse].reshape(n, k, e)
-    weights = weights if valid is None else jnp.where(valid[:, None], weights, 0.0)
-    y = jnp.where(weights[..., None] != 0, y, 0.0)  # padding pairs: whatever the kernel left
-    return (y * weights[..., None]).sum(axis=1).astype(x.dtype)
+    if keep is not None:
+        y = jnp.where(keep[..., None], y, 0.0)  # left-out pairs: whatever the kernel left
+    return (y * weights[..., None]).sum(axis=1).astype(out_dtype or x.dtype)
+
+
+def run_experts_sharded(mesh: Mesh | None, x: Float[Array, "n e"], experts: Int[Array, "n k"],
+                        weights: Float[Array, "n k"], gate_up: Float[Array, "x e 2 f"],
+                        down: Float[Array, "x f e"],
+                        valid: Bool[Array, "n"] | None = None) -> Float[Array, "n e"]:
+    """:func:`run_experts` with the experts split over ``mesh``'s ``expert`` axis and their
+    width over ``model`` (where those axes are free and larger than one; else the function
+    itself). Every device holds all rows (the token exchange is a sum: each device computes
+    its own experts' pairs, at its share of the width, and the partial outputs are summed over
+    both axes), so no token waits for another device's capacity and none is dropped."""
+    experts_axis = sharding.split(mesh, sharding.EXPERTS)
+    width_axis = sharding.split(mesh, sharding.HEADS)
+    if experts_axis is None and width_axis is None:
+        return run_experts(x, experts, weights, gate_up, down, valid)
+    sharding.check_divides(gate_up.shape[0], mesh, sharding.EXPERTS, "num_experts")
+    sharding.check_divides(gate_up.shape[-1], mesh, sharding.HEADS, "moe_intermediate_size")
+    summed = tuple(a for a in (experts_axis, width_axis) if a is not None)
+
+    def local(x, experts, weights, gate_up, down, valid):
+        count = gate_up.shape[0]
+        first = 0 if experts_axis is None else jax.lax.axis_index(experts_axis) * count
+        mine = (experts >= first) & (experts < first + count)
+        out = run_experts(x, jnp.where(mine, experts - first, 0), weights, gate_up, down, valid,
+                          pairs=mine, out_dtype=jnp.float32)
+        return jax.lax.psum(out, summed)
+
+    P = PartitionSpec
+    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+    run = sharding.manual(local, mesh, (P(), P(), P(), P(experts_axis, None, None, width_axis),
+                                        P(experts_axis, width_axis, None), P()), P())
+    return run(x, experts, weights, gate_up, down, valid).astype(x.dtype)

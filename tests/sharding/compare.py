@@ -27,6 +27,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from focus_jax import Engine, GenerationConfig, encode_prompt, generate, load  # noqa: E402
 from focus_jax.cli import BUNDLED_MODEL, DEMO_PROMPTS  # noqa: E402
+from focus_jax.config import MoEConfig  # noqa: E402
 from focus_jax.engine import SamplingParams, run_to_completion  # noqa: E402
 from focus_jax.sharding import make_mesh  # noqa: E402
 from focus_jax.testing import random_prompts, tiny_model  # noqa: E402
@@ -42,6 +43,7 @@ def main() -> None:
     print(json.dumps({"bundled_focus_equal": compare_bundled()}), flush=True)
     print(json.dumps({"interrupted": compare_interrupted()}), flush=True)
     print(json.dumps({"collectives": data_parallel_collectives()}), flush=True)
+    print(json.dumps({"experts": compare_experts()}), flush=True)
 
 
 def compare_interrupted() -> dict[str, object]:
@@ -65,6 +67,34 @@ def compare_interrupted() -> dict[str, object]:
     engine.round_interrupt.clear()
     results = run_to_completion(engine)
     return {"steps": steps, "equal": [results[i].token_ids for i in ids] == single}
+
+
+def compare_experts() -> list[dict[str, object]]:
+    """A LLaDA2-style mixture of experts (groups, expert bias, a shared expert, a dense first
+    layer) on meshes with an expert axis: the same tokens as on one device, baseline and focus,
+    and each device holding its share of the experts."""
+    moe = MoEConfig(num_experts=16, experts_per_token=4, expert_size=32, dense_layers=(0,),
+                    scores="sigmoid", routed_scaling_factor=2.5, num_groups=4, groups_per_token=2,
+                    expert_bias=True, shared_expert_size=32)
+    model = tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=moe,
+                       partial_rotary_factor=0.5)
+    prompts = random_prompts(8, 128, 2, 14, seed=32)
+    rows = []
+    for mode in ("baseline", "focus"):
+        config = GenerationConfig(mode=mode, block_size=4, threshold=0.04, alpha=1.0,
+                                  max_new_tokens=8, stop_token_ids=(), max_batch=8,
+                                  bucket_ladder=(0.25, 0.5, 1.0))
+        single = [r.token_ids for r in generate(model, prompts, config)]
+        for data, expert, parallel in ((2, 4, 1), (1, 8, 1), (1, 4, 2)):
+            engine = Engine(model, config, slots=8, cache_len=32,
+                            mesh=make_mesh(data, parallel, expert=expert))
+            ids = [engine.add_request(p) for p in prompts]
+            results = run_to_completion(engine)
+            gate_up = engine.model.params["moe"]["gate_up_proj"][...]
+            rows.append({"mode": mode, "mesh": [data, expert, parallel],
+                         "equal": [results[i].token_ids for i in ids] == single,
+                         "gate_up_shard_shape": list(gate_up.addressable_shards[0].data.shape)})
+    return rows
 
 
 def data_parallel_collectives() -> dict[str, int]:
