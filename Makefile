@@ -34,8 +34,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# On a GPU machine whose python3 already has jax[cuda] and jax-triton (the H200 image plus the
-# jax-triton wheel): the GPU kernel tests.
+# On a GPU machine whose python3 already has jax[cuda], jax-triton and tokamax (the H200 image
+# plus their wheels): the GPU kernel tests.
 test-gpu:
 	JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests
 

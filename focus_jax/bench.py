@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +117,19 @@ def measured_bf16_peak(size: int | None = None, repeats: int = 10) -> float:
         out = matmul(a, b)
     out.block_until_ready()
     return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def median_seconds(fn: Callable[..., Any], *args: Any, runs: int, warmup: int = 0) -> float:
+    """Median wall time of ``runs`` calls of ``fn(*args)``, each waited for
+    (``jax.block_until_ready``), after a first call (the compile) and ``warmup`` more."""
+    for _ in range(1 + warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class _Throughput:

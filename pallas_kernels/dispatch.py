@@ -24,6 +24,14 @@ RUNS_ON = {"xla": None, "pallas_tpu_interpret": None, "pallas_triton_interpret":
 """Every implementation name, and the one platform it compiles for (None: any)."""
 
 
+def target_platform() -> str:
+    """The platform the code being traced is for: that of the abstract mesh in context (a TPU
+    topology's, when compiling for a TPU on this CPU: DESIGN.md section 11), else the default
+    backend's (``cpu``, ``gpu``, ``tpu``)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def unusable(impl: str, platform: str) -> str | None:
     """Why implementation ``impl`` cannot run on devices of ``platform`` (None: it can)."""
     if impl not in RUNS_ON:

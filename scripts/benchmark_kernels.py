@@ -33,21 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from focus_jax import focus
+from focus_jax.bench import median_seconds
 from pallas_kernels.focus_importance import focus_importance
 from pallas_kernels.ragged_attention import ragged_attention
 from pallas_kernels.ragged_attention.reference import ragged_attention as attention_reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
-
-
-def median_seconds(fn, *args, runs: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def cudnn_attention(q, rows, valid, k_cache, v_cache, layer, kv_len, *, block_size):

@@ -7,6 +7,7 @@ to the references in ``test_kernels.py``.
 """
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from focus_jax import compilation, tpu
 from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
 pytestmark = pytest.mark.skipif(not tpu.libtpu_installed(),
@@ -109,3 +111,31 @@ def test_sharded_entry_points_compile_inside_the_steps_shard_map_on_v5e_2x4():
                        ((2 * local_rows,), jnp.bool_, P("data")), cache, cache,
                        ((slots,), jnp.int32, P("data")))
     assert text.count("tpu_custom_call") >= 2  # attention and importance, both Mosaic
+
+
+
+# (rows, k, n, experts): SDAR-30B-A3B's gate-up projection at 2,048 rows (tokens x top-8), its
+# down projection at 200 rows (no multiple of a tile), and a tiny one with k and n under 128.
+EXPERT_SHAPES = {"gate_up": (2048, 2048, 1536, 128), "down": (200, 768, 2048, 128),
+                 "tiny": (40, 64, 96, 4)}
+
+
+def compile_grouped_matmul(generation: str, shape: str, dtype) -> str:
+    rows, k, n, experts = EXPERT_SHAPES[shape]
+    return compile_for(one_chip_mesh(generation), grouped_matmul, ((rows, k), dtype, P()),
+                       ((experts, k, n), dtype, P()), ((experts,), jnp.int32, P()))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokamax") is None, reason="tokamax is not installed")
+@pytest.mark.parametrize(("generation", "shape"), [("v5e", "gate_up"), ("v5e", "tiny"),
+                                                   ("v5e", "down"), ("v6e", "down"),
+                                                   ("v5p", "down")])
+def test_grouped_matmul_default_is_tokamaxs_kernel_for_one_chip(generation, shape):
+    """bf16, no ``impl``: the dispatch sees the TPU through the abstract mesh and picks
+    tokamax's GMM v2, which compiles at any row count."""
+    assert "tpu_custom_call" in compile_grouped_matmul(generation, shape, jnp.bfloat16)
+
+
+def test_grouped_matmul_in_float32_is_xlas_ragged_dot_for_one_chip():
+    """tokamax's float32 tiling outgrows a v5p's VMEM at this shape: float32 stays with XLA."""
+    assert "tpu_custom_call" not in compile_grouped_matmul("v5p", "gate_up", jnp.float32)

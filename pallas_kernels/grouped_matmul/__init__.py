@@ -1,7 +1,5 @@
-"""Placeholder until the op package lands: XLA's ragged_dot."""
+"""Grouped (ragged) matmul for mixture-of-experts layers: see ``reference`` for the contract."""
 
-import jax
+from pallas_kernels.grouped_matmul.api import grouped_matmul
 
-
-def grouped_matmul(lhs, rhs, group_sizes, *, impl=None, preferred_element_type=None):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+__all__ = ["grouped_matmul"]

@@ -1,0 +1,125 @@
+"""Grouped matmul as tokamax's Mosaic ragged-dot kernels (``pip install tokamax==0.0.17``).
+
+- NVIDIA Hopper GPUs: tokamax's Pallas Mosaic GPU kernel (its ``mosaic_gpu`` implementation,
+  wgmma tiles fed by the bulk tensor copy engine). bf16 or f16, both operands of one dtype,
+  ``k`` and ``n`` multiples of 64. On the H200 at expert shapes: 14-39 TFLOP/s at 2,048 rows,
+  57-113 at 8,192, 158-229 at 65,536, where XLA's ragged dot reaches 2.7-5.8
+  (``docs/kernels.md``).
+- TPUs from v5 on: tokamax's GMM v2 (``mosaic_tpu_v2``), bf16. It compiles for v5e, v6e and
+  v5p at row counts that are no multiple of 128 and at ``k`` and ``n`` below 128
+  (``tests/test_tpu_kernels.py``); it has never run here (no TPU, and the Pallas TPU
+  interpreter cannot run it: "Unsupported memory space: smem"). In float32 its tiling outgrows
+  a v5p's VMEM at SDAR-30B-A3B's gate-up projection (70.5 of 63.9 MiB), so float32 stays with
+  XLA. tokamax's v1 kernel (``mosaic_tpu``) and JAX's megablox ``gmm`` refuse row counts that
+  are not a multiple of their 128-row tile (v1 also any dimension under 128).
+
+Neither kernel writes the rows past ``sum(group_sizes)``: the GPU kernel never visits them, and
+GMM v2 zeros them only with ``zero_initialize``, in DMAs of its own. The output is masked here
+instead (one elementwise select, which XLA can fuse into the consumer), so padding rows are
+zeros, as in the reference.
+
+Never tokamax's Triton implementation: it fails with jax-triton 0.3.1. tokamax is imported on
+first use, not with this module: it imports xprof, qwix and flax at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.grouped_matmul.reference import valid_rows
+
+GPU_DTYPES = (jnp.bfloat16, jnp.float16)
+TPU_DTYPES = (jnp.bfloat16,)
+KERNEL = {"gpu": "mosaic_gpu", "tpu": "mosaic_tpu_v2"}
+"""tokamax's implementation name for each platform."""
+GPU_ROW_TILE = 8
+"""The Mosaic GPU kernel's output copies take whole 8-row tiles ("dimension 0 must have size
+smaller or a multiple of its tiling 8"): other row counts are padded with padding rows."""
+GPU_TILE = 64
+"""The Mosaic GPU kernel's copies of ``lhs``, ``rhs`` and the output move 128-byte swizzled
+rows (64 bf16 elements): on the H200 ``k = 96`` and ``k = 200`` fail to lower, and so does
+``n = 48`` with a float32 output. ``k`` and ``n`` must be multiples of 64 (every expert
+projection is)."""
+
+
+@functools.cache
+def installed() -> bool:
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def unsupported(lhs: jax.ShapeDtypeStruct | Array, rhs: jax.ShapeDtypeStruct | Array,
+                platform: str) -> str | None:
+    """Why these kernels cannot multiply ``lhs [m, k]`` by ``rhs [g, k, n]`` (their shapes and
+    dtypes) on ``platform`` (None: they can). ``platform``: ``"gpu"`` (this process's first GPU
+    is asked for its generation), ``"tpu"`` (the chip of the abstract mesh in context, else
+    this process's TPU), or any other."""
+    if platform not in KERNEL:
+        return f"tokamax's Mosaic kernels run on NVIDIA Hopper GPUs and TPUs, not on {platform}"
+    if not installed():
+        return "tokamax is not installed (pip install tokamax==0.0.17)"
+    if lhs.dtype != rhs.dtype:
+        return f"lhs and rhs must have one dtype (got {lhs.dtype} and {rhs.dtype})"
+    dtypes = GPU_DTYPES if platform == "gpu" else TPU_DTYPES
+    if lhs.dtype not in dtypes:
+        names = " or ".join(jnp.dtype(d).name for d in dtypes)
+        return (f"on {platform.upper()}s tokamax's kernel takes {names}, not "
+                f"{jnp.dtype(lhs.dtype).name}")
+    if platform == "tpu":
+        return _tpu_unsupported()
+    _, k, n = rhs.shape
+    if k % GPU_TILE or n % GPU_TILE:
+        return f"on GPUs k and n must be multiples of {GPU_TILE} (got k={k}, n={n})"
+    return _gpu_unsupported()
+
+
+@functools.cache
+def _gpu_unsupported() -> str | None:
+    device = jax.devices("gpu")[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is None or not str(capability).startswith("9."):
+        return (f"tokamax's Mosaic GPU ragged dot is used on Hopper GPUs (compute capability "
+                f"9.x), not on this {device.device_kind} ({capability})")
+    return None
+
+
+def _tpu_unsupported() -> str | None:
+    from jax.experimental.pallas import tpu as pltpu
+
+    try:
+        generation = pltpu.get_tpu_info().generation
+    except ValueError as err:  # a chip JAX does not know
+        return str(err).splitlines()[0]
+    return None if generation >= 5 else f"tokamax's GMM v2 needs a TPU v5 or newer (got v{generation})"
+
+
+def _one_pass(dtype: jnp.dtype) -> contextlib.AbstractContextManager:
+    """16-bit operands: one pass of exact products with float32 sums, all these kernels have.
+    Both refuse the float32 contract precision that ``jax_default_matmul_precision="highest"``
+    asks for, and GMM v2 ignores its ``precision`` argument (its dots take the configured
+    default), so the default is set around the call. Float32: as configured."""
+    if jnp.dtype(dtype).itemsize == 4:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("default")
+
+
+def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
+                   group_sizes: Int[Array, "g"], *, platform: str,
+                   preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
+    """Contract in :func:`pallas_kernels.grouped_matmul.reference.grouped_matmul`; ``platform``
+    (``"gpu"`` or ``"tpu"``) picks the kernel. Callers check :func:`unsupported` first."""
+    import tokamax
+
+    group_sizes = group_sizes.astype(jnp.int32)
+    rows = lhs.shape[0]
+    padded = -rows % GPU_ROW_TILE if platform == "gpu" else 0
+    lhs = jnp.pad(lhs, ((0, padded), (0, 0))) if padded else lhs
+    with _one_pass(lhs.dtype):
+        out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                                 implementation=KERNEL[platform])
+    return jnp.where(valid_rows(group_sizes, rows + padded)[:, None], out, 0)[:rows]
