@@ -742,7 +742,7 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
     cc.add_argument("--max-len", type=int, default=4096, help="cache positions per slot")
     cc.add_argument("--mode", choices=MODES, default="focus")
     cc.add_argument("--mesh", default=None,
-                    help="data=D,model=M over the slice's chips (needed beyond one chip)")
+                    help="data=D,expert=X,model=M over the slice's chips (needed beyond one chip)")
     cc.add_argument("--block-size", type=int, default=None)
     cc.add_argument("--bucket-ladder", default=None,
                     help="compaction bucket sizes as fractions of slots x block (default: the "

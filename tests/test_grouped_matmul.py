@@ -175,3 +175,15 @@ def test_gpu_default_is_tokamax_where_it_runs_else_xla():
     assert "mosaic_gpu" not in lower(*unaligned)
     with pytest.raises(ValueError, match="multiples of 64"):
         grouped_matmul(*unaligned, impl="tokamax")
+
+
+def test_tokamax_autotuning_misses_are_not_shown(caplog):
+    import logging
+
+    from pallas_kernels.grouped_matmul import tokamax_mosaic
+
+    tokamax_mosaic._quiet_autotuning_misses()
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        logging.getLogger("absl").warning("Autotuning cache miss for PallasMosaicGpuRaggedDot")
+        logging.getLogger("absl").warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]

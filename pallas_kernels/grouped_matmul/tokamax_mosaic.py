@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,19 @@ def _tpu_unsupported() -> str | None:
     return None if generation >= 5 else f"tokamax's GMM v2 needs a TPU v5 or newer (got v{generation})"
 
 
+class _NoAutotuningMisses(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Autotuning cache miss")
+
+
+@functools.cache
+def _quiet_autotuning_misses() -> None:
+    """tokamax logs a multi-line warning through absl for every shape it has no tuned config
+    for (each compaction bucket of every layer shape: 36 lines per MoE round compiled on an
+    H200); it then runs its default config, and nobody can act on the warning."""
+    logging.getLogger("absl").addFilter(_NoAutotuningMisses())
+
+
 def _one_pass(dtype: jnp.dtype) -> contextlib.AbstractContextManager:
     """16-bit operands: one pass of exact products with float32 sums, all these kernels have.
     Both refuse the float32 contract precision that ``jax_default_matmul_precision="highest"``
@@ -114,6 +128,8 @@ def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
     """Contract in :func:`pallas_kernels.grouped_matmul.reference.grouped_matmul`; ``platform``
     (``"gpu"`` or ``"tpu"``) picks the kernel. Callers check :func:`unsupported` first."""
     import tokamax
+
+    _quiet_autotuning_misses()
 
     group_sizes = group_sizes.astype(jnp.int32)
     rows = lhs.shape[0]
