@@ -187,10 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with count_compilations() as compiled:
         results, stats = generate(model, prompts, config, chat=not args.no_chat,
                                   progress=not stream and is_primary(), on_tokens=printer,
-                                  return_stats=True, mesh=mesh,
-                                  # With no persistent cache a background compile would be
-                                  # thrown away at exit (after being waited for).
-                                  full_warmup=args.full_warmup or cache is None)
+                                  return_stats=True, mesh=mesh)
     if not is_primary():
         return 0
     if stream:
@@ -201,19 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(format_stats(stats, model.config.num_layers), file=sys.stderr)
         print(format_compilations(compiled, cache), file=sys.stderr)
-    _finish_background_compiles(cache)
     return 0
-
-
-def _finish_background_compiles(cache: Path | None) -> None:
-    """Wait for the decode round still compiling in the background (a lazy warm-up, which runs
-    only with the persistent cache on), saying why: the next run reads it back."""
-    from focus_jax import compilation
-
-    if compilation.background_compiles_running():
-        print(f"finishing the decode round's other buckets for later runs (kept in {cache})...",
-              file=sys.stderr, flush=True)
-        compilation.wait_for_background_compiles()
 
 
 class _StreamPrinter:
@@ -261,11 +246,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f">>> {prompt}")
             printer = _StreamPrinter(model.tokenizer)
             results, stats = generate(model, prompt, config, on_tokens=printer,
-                                      return_stats=True, full_warmup=cache is None)
+                                      return_stats=True)
             printer.finish(results[0].token_ids)
             print(format_stats(stats, model.config.num_layers) + "\n")
     print(format_compilations(compiled, cache))
-    _finish_background_compiles(cache)
     return 0
 
 
@@ -573,10 +557,6 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--no-stream", action="store_true", help="print at the end, not as it comes")
-    gen.add_argument("--full-warmup", action="store_true",
-                     help="compile every bucket of the decode round before the first token (by "
-                          "default the whole-block bucket only; the rest compiles in the "
-                          "background and is kept for later runs)")
     gen.set_defaults(func=cmd_generate)
 
 
