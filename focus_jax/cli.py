@@ -10,13 +10,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from focus_jax import bundled
 from focus_jax.compilation import Compilations
 from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.tasks import WORKED
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tiny"
+BUNDLED_MODEL = bundled.MODEL
 # Held-out questions (tests check that the training stream never yields them).
 DEMO_PROMPTS = ("Add: 257+468", "Reverse: p a l l a s",
                 "Ana has 12 apples, gets 9 more, gives away 6 and gets 3 more. "
@@ -126,18 +127,14 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def load_model(path: Path | None, dtype: str | None = None, mesh=None):
-    """The model at ``path``; without one, the bundled model, else a random tiny one (noise)."""
+    """The model at ``path``; without one, the bundled model (``ConfigError`` if this install
+    lacks it)."""
     from focus_jax.checkpoint import load
 
-    if path is not None:
-        return load(path, dtype=dtype, mesh=mesh)
-    if (BUNDLED_MODEL / "config.json").exists():
-        return load(BUNDLED_MODEL, dtype=dtype, mesh=mesh)
-    from focus_jax.testing import tiny_model
-
-    print("note: no --model given and no bundled model found: using a tiny RANDOM model, "
-          "its output is untrained noise", file=sys.stderr)
-    return tiny_model(tokenizer=True, block_size=8)
+    if path is None and not (BUNDLED_MODEL / "config.json").is_file():
+        raise ConfigError(f"the bundled model is missing from this install ({BUNDLED_MODEL}): "
+                          f"reinstall focus-jax, or pass --model PATH")
+    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh)
 
 
 def format_stats(stats: RunStats, num_layers: int) -> str:
