@@ -436,6 +436,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx")
+"""Modules of the ``serve`` extra (and theirs) that the server imports."""
 SERVE_CONTEXT = 4096
 """The server's default context (cache positions per slot) when the model allows more."""
 
@@ -452,8 +454,15 @@ def _free_slot_round_steps(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from focus_jax.engine import AsyncEngine, Engine
-    from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
     from focus_jax.sharding import make_mesh, parse_mesh
+
+    try:
+        from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in SERVE_EXTRA:
+            raise
+        raise ConfigError(f"focus-jax serve needs {err.name}, which is not installed: "
+                          f"pip install 'focus-jax[serve]'") from None
 
     if args.max_batch < 1 or args.max_queue < 1:
         raise ConfigError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and "
@@ -739,6 +748,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, RequestError, OSError, ValueError) as err:
         print(f"focus-jax: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: as a shell reports a process ended by SIGINT
+        print("focus-jax: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -102,3 +102,47 @@ def test_demo_answers_its_prompts_with_the_bundled_model(capsys):
     letters = reverse.removeprefix("Reverse: ").split()
     assert "12 apples, gets 9 more, gives away 6 and gets 3 more" in story
     assert answers == [str(int(a) + int(b)), " ".join(reversed(letters)), str(12 + 9 - 6 + 3)]
+
+
+def test_serve_without_the_serve_extra_names_the_install_command():
+    import subprocess
+    import sys
+
+    hide = "import sys; sys.modules['fastapi'] = None; from focus_jax.cli import main; "
+    done = subprocess.run([sys.executable, "-c", hide + "sys.exit(main(['serve']))"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "focus-jax: error: focus-jax serve needs fastapi, which is not installed: "
+        "pip install 'focus-jax[serve]'")
+    assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_ends_generate_at_once_with_status_130_and_no_traceback(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Add: 1+2\nReverse: a b c\n" * 8)
+    log = tmp_path / "stderr.txt"
+    # One token per step (no token is above threshold 1): seconds of decoding to interrupt.
+    command = [sys.executable, "-m", "focus_jax.cli", "generate", "--prompts-file", str(prompts),
+               "--max-new-tokens", "256", "--threshold", "1"]
+    with log.open("w") as err:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err,
+                                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 300
+        while "%|" not in log.read_text() and time.monotonic() < deadline:  # decoding begun
+            assert process.poll() is None, log.read_text()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        code = process.wait(timeout=30)
+    finally:
+        process.kill()
+    assert code == 130 and time.monotonic() - signalled < 10
+    assert "Traceback" not in log.read_text() and "focus-jax: interrupted" in log.read_text()
