@@ -146,3 +146,20 @@ def test_ctrl_c_ends_generate_at_once_with_status_130_and_no_traceback(tmp_path)
         process.kill()
     assert code == 130 and time.monotonic() - signalled < 10
     assert "Traceback" not in log.read_text() and "focus-jax: interrupted" in log.read_text()
+
+
+def test_help_shows_every_options_default():
+    import argparse
+
+    from focus_jax.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"generate", "serve", "train", "demo", "eval", "bench"} <= set(commands)
+    for name, parser in commands.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.required or action.nargs == 0 or not action.option_strings:
+                continue  # required, a flag (off unless given), or a positional argument
+            shown = formatter._get_help_string(action)
+            assert "default" in shown or "is required" in shown, (name, action.dest)
