@@ -3,6 +3,7 @@ eviction inside jit-compiled, static-shape decode steps."""
 
 from focus_jax import tpu
 from focus_jax.api import encode_prompt, generate
+from focus_jax.bundled import MODEL as BUNDLED_MODEL
 from focus_jax.checkpoint import convert, load, save
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine import Engine, RequestError, RequestStats, Result, RunStats
@@ -13,7 +14,7 @@ from focus_jax.model import Model
 tpu.skip_absent_tpu()
 
 __all__ = [
-    "ConfigError", "Engine", "GenerationConfig", "Model", "ModelConfig", "RequestError",
+    "BUNDLED_MODEL", "ConfigError", "Engine", "GenerationConfig", "Model", "ModelConfig", "RequestError",
     "RequestStats", "Result", "RunStats", "convert", "encode_prompt", "generate", "load", "save",
 ]
 __version__ = "0.1.0"

@@ -49,8 +49,9 @@ def engine_tokens(engine: Engine, prompts: list[list[int]], together: bool) -> l
     return out
 
 
-def compare(name: str, alone: list[list[int]], together: list[list[int]], seconds: dict) -> dict:
-    differ = [i for i, (a, b) in enumerate(zip(alone, together, strict=True)) if a != b]
+def compare(name: str, alone: dict[int, list[int]], together: list[list[int]],
+            seconds: dict) -> dict:
+    differ = [i for i, tokens in alone.items() if tokens != together[i]]
     row = {"requests": len(alone), "differ": len(differ), "differing_requests": differ,
            **{k: round(v, 1) for k, v in seconds.items()}}
     print(name, json.dumps(row), flush=True)
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--settings", default="default,fixed-shape,one-bucket",
                         help="comma-separated, among default, fixed-shape, one-bucket")
+    parser.add_argument("--alone", default=None,
+                        help="decode only these requests alone (comma-separated indices; "
+                             "default: all)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -69,6 +73,8 @@ def main() -> None:
     examples = tasks.held_out(-(-args.requests // len(tasks.WORKED)),
                               tasks=tasks.WORKED)[:args.requests]
     prompts = [encode_prompt(model, e.question) for e in examples]
+    chosen = ([int(i) for i in args.alone.split(",")] if args.alone
+              else list(range(len(prompts))))
     block = model.config.block_size
     positions = cache_length(block, max(map(len, prompts)) + NEW_TOKENS)
     config = focus_jax.GenerationConfig(mode="focus", max_new_tokens=NEW_TOKENS)
@@ -83,7 +89,8 @@ def main() -> None:
         if name == "default":
             together = [r.token_ids for r in focus_jax.generate(model, prompts, config)]
             middle = time.perf_counter()
-            alone = [focus_jax.generate(model, p, config)[0].token_ids for p in prompts]
+            alone = {i: focus_jax.generate(model, prompts[i], config)[0].token_ids
+                     for i in chosen}
         else:
             ladder = {"bucket_ladder": (1.0,)} if name == "one-bucket" else {}
             engine = Engine(model, config.replace(**ladder), slots=len(prompts),
@@ -92,7 +99,8 @@ def main() -> None:
             start = time.perf_counter()
             together = engine_tokens(engine, prompts, together=True)
             middle = time.perf_counter()
-            alone = engine_tokens(engine, prompts, together=False)
+            alone = dict(zip(chosen, engine_tokens(engine, [prompts[i] for i in chosen],
+                                                   together=False), strict=True))
         end = time.perf_counter()
         report[name] = compare(name, alone, together, {"together_seconds": middle - start,
                                                        "alone_seconds": end - middle})
