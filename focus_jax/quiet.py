@@ -1,17 +1,19 @@
 """Messages of dependencies that do not apply to focus_jax, dropped one by one (each by its
-first words; everything else those loggers say still shows)."""
+logger and its first words; everything else those loggers say still shows)."""
 
 from __future__ import annotations
 
 import logging
 
-TRANSFORMERS_NOISE = (
+TRANSFORMERS_NOISE = {
     # At import without PyTorch: focus_jax uses transformers for tokenizers and configs only.
-    "PyTorch was not found.",
+    "transformers": ("PyTorch was not found.",),
     # AutoTokenizer reading an SDAR config.json (model_type "sdar", unknown to transformers):
     # only the tokenizer is loaded from it.
-    "You are using a model of type `sdar` to instantiate a model of type ``.",
-)
+    "transformers.configuration_utils": (
+        "You are using a model of type `sdar` to instantiate a model of type ``.",),
+}
+"""Messages by the logger that logs them (a filter sees only its own logger's records)."""
 
 
 class DropMessages(logging.Filter):
@@ -28,6 +30,7 @@ class DropMessages(logging.Filter):
 def quiet_transformers() -> None:
     """Drop :data:`TRANSFORMERS_NOISE` from transformers' log (before it is imported: the first
     is logged at import). Once per process."""
-    logger = logging.getLogger("transformers")
-    if not any(isinstance(f, DropMessages) for f in logger.filters):
-        logger.addFilter(DropMessages(TRANSFORMERS_NOISE))
+    for name, starts in TRANSFORMERS_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropMessages) for f in logger.filters):
+            logger.addFilter(DropMessages(starts))
