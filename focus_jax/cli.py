@@ -414,8 +414,9 @@ def _require_positive(args: argparse.Namespace, *names: str) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
-TRAIN_DEFAULTS = {"steps": (100, 1000), "batch_size": (8, 16), "seq_len": (256, 512)}
-"""``focus-jax train``'s defaults on a CPU and elsewhere: on a CPU a run ends within minutes."""
+TRAIN_DEFAULTS = {"steps": (10, 1000), "batch_size": (4, 16), "seq_len": (160, 512)}
+"""``focus-jax train``'s defaults on a CPU and elsewhere: on a 2-core CPU the bundled model's run
+takes about a minute (docs/startup.md)."""
 
 
 def _train_defaults(name: str) -> tuple[int, int]:

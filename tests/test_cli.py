@@ -163,3 +163,20 @@ def test_help_shows_every_options_default():
                 continue  # required, a flag (off unless given), or a positional argument
             shown = formatter._get_help_string(action)
             assert "default" in shown or "is required" in shown, (name, action.dest)
+
+
+def test_serve_on_a_cpu_defaults_to_4_slots_of_256_positions(monkeypatch):
+    pytest.importorskip("fastapi")
+    import focus_jax.engine
+    from focus_jax.config import ConfigError
+
+    seen = {}
+
+    class Stop(focus_jax.engine.Engine):
+        def __init__(self, model, config, *, slots, cache_len, mesh=None):
+            seen.update(slots=slots, cache_len=cache_len)
+            raise ConfigError("stop here")
+
+    monkeypatch.setattr(focus_jax.engine, "Engine", Stop)
+    assert main(["serve", "--port", "0"]) == 2
+    assert seen == {"slots": 4, "cache_len": 256}

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import time
 
+import jax
 import pytest
 
 from focus_jax import GenerationConfig
@@ -424,3 +425,12 @@ def run_to_completion_of(model, config, prompts):
     ids = [engine.add_request(p) for p in prompts]
     results = run_to_completion(engine)
     return [results[i].token_ids for i in ids]
+
+
+def test_an_engine_without_a_size_takes_the_platforms_or_the_configs(model):
+    config = GenerationConfig(mode="focus", block_size=4)
+    assert jax.default_backend() == "cpu"  # the tests' platform (conftest)
+    engine = Engine(model, config)
+    assert (engine.slots, engine.cache_len) == (4, 256)
+    sized = Engine(model, config.replace(max_batch=2, max_cache_len=64))
+    assert (sized.slots, sized.cache_len) == (2, 64)
