@@ -63,7 +63,7 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     if mesh is not None and config.max_batch is None:
         data = mesh.shape["data"]
         slots = -(-slots // data) * data
-    engine = Engine(model, config, slots=slots, cache_len=cache_len or 0, mesh=mesh)
+    engine = Engine(model, config, slots=slots, cache_len=cache_len, mesh=mesh)
     # Request i samples with seed config.seed + i: the same prompt twice gets two draws.
     rids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
             for i, p in enumerate(ids)]

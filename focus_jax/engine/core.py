@@ -56,8 +56,8 @@ class Engine:
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         default_slots, default_len = default_shape(devices[0].platform,
                                                    cfg.max_position_embeddings)
-        slots = slots or config.max_batch or default_slots
-        cache_len = cache_len or config.max_cache_len or default_len
+        slots = slots if slots is not None else config.max_batch or default_slots
+        cache_len = cache_len if cache_len is not None else config.max_cache_len or default_len
         block = config.block_size or cfg.block_size
         if block is None:
             raise ConfigError("the model's config.json names no block_size: set "
