@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from focus_jax import bundled
+from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
 from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
@@ -822,16 +824,25 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
     cc.set_defaults(func=cmd_compile_check)
 
 
+PROMPT_EXIT_COMMANDS = ("generate", "demo", "eval", "bench", "compile-check")
+"""Commands that Ctrl-C ends within a second even inside a compile (:mod:`focus_jax.ctrl_c`):
+they leave nothing half-written. ``train`` saves a checkpoint on Ctrl-C, ``serve`` drains, and
+``convert`` finishes its folder or removes it: those end when Python sees the interrupt."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ConfigError, RequestError, OSError, ValueError) as err:
-        print(f"focus-jax: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: as a shell reports a process ended by SIGINT
-        print("focus-jax: interrupted", file=sys.stderr)
-        return 130
+    prompt = args.command in PROMPT_EXIT_COMMANDS
+    with ctrl_c.exit_promptly() if prompt else contextlib.nullcontext(threading.Event()) as told:
+        try:
+            return args.func(args)
+        except (ConfigError, RequestError, OSError, ValueError) as err:
+            print(f"focus-jax: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # Ctrl-C: as a shell reports a process ended by SIGINT
+            print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)
+            told.set()
+            return 130
 
 
 if __name__ == "__main__":

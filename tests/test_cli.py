@@ -180,3 +180,28 @@ def test_serve_on_a_cpu_defaults_to_4_slots_of_256_positions(monkeypatch):
     monkeypatch.setattr(focus_jax.engine, "Engine", Stop)
     assert main(["serve", "--port", "0"]) == 2
     assert seen == {"slots": 4, "cache_len": 256}
+
+
+def test_ctrl_c_inside_a_compile_ends_generate_within_seconds(tmp_path):
+    """A compile does not return to Python for seconds (a minute for SDAR-8B on a GPU): the
+    signal itself ends the command (focus_jax.ctrl_c), with one line and status 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "focus_jax.cli", "generate", "--prompt", "What is 2+2?",
+               "--no-compile-cache"]  # compiles for about 10 s on 2 cores, after 3-5 s of loading
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        time.sleep(6)
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and time.monotonic() - signalled < 3
+    assert err.strip().splitlines() == ["focus-jax: interrupted"]
