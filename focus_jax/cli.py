@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -833,7 +832,7 @@ they leave nothing half-written. ``train`` saves a checkpoint on Ctrl-C, ``serve
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prompt = args.command in PROMPT_EXIT_COMMANDS
-    with ctrl_c.exit_promptly() if prompt else contextlib.nullcontext(threading.Event()) as told:
+    with ctrl_c.exit_promptly() if prompt else contextlib.nullcontext():
         try:
             return args.func(args)
         except (ConfigError, RequestError, OSError, ValueError) as err:
@@ -841,7 +840,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except KeyboardInterrupt:  # Ctrl-C: as a shell reports a process ended by SIGINT
             print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)
-            told.set()
+            if prompt:
+                ctrl_c.exit_now()
             return 130
 
 

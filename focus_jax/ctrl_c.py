@@ -24,15 +24,24 @@ MESSAGE = "focus-jax: interrupted"
 _STOP = b"\0"  # not a signal number: wakes the watcher to end it
 
 
+def exit_now() -> None:
+    """End the process with status 130 at once, its output flushed. Not through the
+    interpreter's shutdown: a device program still running then has XLA's runtime abort the
+    process ("terminate called without an active exception", status -6)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(130)
+
+
 @contextlib.contextmanager
-def exit_promptly() -> Iterator[threading.Event]:
+def exit_promptly() -> Iterator[None]:
     """While the block runs, Ctrl-C ends the process within :data:`GRACE_SECONDS` whatever the
-    main thread is doing. Yields an event for the main thread to set once it has reported the
-    interrupt itself (the watcher then only ends a shutdown that hangs, silently). Main thread
-    only; outside it (an embedding thread) nothing changes."""
-    reported, left = threading.Event(), threading.Event()
+    main thread is doing (unless the main thread has left the block by then). Main thread only;
+    outside it (an embedding thread) nothing changes."""
+    left = threading.Event()
     if threading.current_thread() is not threading.main_thread():
-        yield reported
+        yield
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -43,14 +52,13 @@ def exit_promptly() -> Iterator[threading.Event]:
             if bytes([signal.SIGINT]) in data:
                 if left.wait(GRACE_SECONDS):
                     return  # the main thread handled it and left the block
-                if not reported.is_set():
-                    print(MESSAGE, file=sys.stderr, flush=True)
-                os._exit(130)
+                print(MESSAGE, file=sys.stderr, flush=True)
+                exit_now()
 
     watcher = threading.Thread(target=watch, name="focus-jax-ctrl-c", daemon=True)
     watcher.start()
     try:
-        yield reported
+        yield
     finally:
         left.set()
         signal.set_wakeup_fd(previous)
