@@ -21,8 +21,7 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
              progress: bool = False,
              on_tokens: Callable[[int, list[int]], None] | None = None,
              return_stats: bool = False,
-             mesh: Mesh | None = None,
-             full_warmup: bool = False) -> list[Result] | tuple[list[Result], RunStats]:
+             mesh: Mesh | None = None) -> list[Result] | tuple[list[Result], RunStats]:
     """Generate for one prompt or a list of prompts: text, or token ids (a list of integers,
     Python or NumPy, or a 1-D integer array; a 2-D array is a list of prompts).
 
@@ -31,10 +30,9 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     each prompt's tokens as its blocks complete. ``mesh``: decode sharded over a
     ``("data", "model")`` mesh (slots over data: the batch is rounded up to a multiple of it).
 
-    Before the first token only the whole-block bucket of the decode round is compiled; the
-    rest of the bucket ladder compiles in a background thread, and the run switches to it when
-    it is ready (tokens are the same either way). ``full_warmup`` compiles everything first, so
-    that the statistics time a run with the full ladder (as ``focus-jax bench`` does).
+    Every program the run needs is compiled (or read from the persistent compilation cache)
+    before the first token, and the whole run uses them: the same call gives the same tokens
+    whether the cache was empty, warm or off.
 
     Raises ``TypeError`` for a prompt that is neither text nor token ids (bytes, a dict, float
     ids), :class:`RequestError` for one the model cannot take and ``ConfigError`` for settings.
@@ -65,13 +63,13 @@ def generate(model: Model, prompts: Prompt | Sequence[Prompt],
     if mesh is not None and config.max_batch is None:
         data = mesh.shape["data"]
         slots = -(-slots // data) * data
-    engine = Engine(model, config, slots=slots, cache_len=cache_len or 0, mesh=mesh)
+    engine = Engine(model, config, slots=slots, cache_len=cache_len, mesh=mesh)
     # Request i samples with seed config.seed + i: the same prompt twice gets two draws.
     rids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
             for i, p in enumerate(ids)]
     index = {rid: i for i, rid in enumerate(rids)}
     # Compile first (only the programs these prompts need), so the statistics time the run.
-    engine.warmup(prompt_lengths=[len(p) for p in ids], lazy=not full_warmup)
+    engine.warmup(prompt_lengths=[len(p) for p in ids])
 
     def stream(out) -> None:
         if on_tokens is not None and out.new_token_ids:

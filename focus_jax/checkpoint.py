@@ -95,7 +95,11 @@ def load_tokenizer(folder: Path) -> Any:
 
     try:
         try:
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            # fix_mistral_regex: transformers takes a folder whose config.json lacks
+            # transformers_version (SDAR's) for a Mistral one, warns that its regex is wrong and
+            # advises a Mistral pattern, which would break Qwen2 tokenization (docs/startup.md).
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                 fix_mistral_regex=False)
         except (ValueError, OSError, KeyError):
             # AutoTokenizer reads config.json's model_type, which transformers may not know (sdar).
             if not (folder / "tokenizer.json").exists():

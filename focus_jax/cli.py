@@ -4,19 +4,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
 from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
+from focus_jax.engine.core import CPU_SHAPE
 from focus_jax.tasks import WORKED
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "focus-tiny"
+BUNDLED_MODEL = bundled.MODEL
 GEOMETRY_NAMES = ("sdar-1.7b", "sdar-8b", "sdar-30b-a3b", "llada2-mini")
 """The named geometries of :data:`focus_jax.models.GEOMETRIES` (listed here: the parser is
 built before the models are imported)."""
@@ -38,16 +41,22 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1.5, help="FOCUS budget factor")
     parser.add_argument("--block-size", type=int, default=None,
                         help="block size (default: the model's)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--unmasking", choices=UNMASKING_RULES, default="low_confidence_dynamic")
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="generated tokens per prompt, at most")
+    parser.add_argument("--unmasking", choices=UNMASKING_RULES, default="low_confidence_dynamic",
+                        help="which masked tokens a step decodes")
     parser.add_argument("--denoising-steps", type=int, default=None,
-                        help="static/sequential rules: unmask ceil(block/steps) tokens per step")
+                        help="static/sequential rules: unmask ceil(block/steps) tokens per step "
+                             "(default: one per step)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=None, help="slots decoded together")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="slots decoded together (default: the number of prompts, rounded up "
+                             "to a power of 2, at most 64)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="weights' dtype (default: the model's)")
     parser.add_argument("--no-chat", action="store_true",
                         help="do not apply the tokenizer's chat template")
     parser.add_argument("--bucket-ladder", default=None,
@@ -91,17 +100,22 @@ def _ladder(text: str | None) -> dict[str, tuple[float, ...]]:
 def _add_distribution_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None,
                         help="shard over devices: data=D,model=M (slots over data, heads/MLP "
-                             "over model)")
+                             "over model; default: one device)")
     parser.add_argument("--coordinator", default=None,
                         help="multi-process: host:port of process 0 (with --num-processes and "
-                             "--process-id); on TPU pods use --distributed alone")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
+                             "--process-id); on TPU pods use --distributed alone (default: one "
+                             "process)")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="multi-process: how many processes (with --coordinator; default: "
+                             "none)")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="multi-process: this process's index (with --coordinator; "
+                             "default: none)")
     parser.add_argument("--distributed", action="store_true",
                         help="multi-process with arguments found by JAX (TPU pods, SLURM)")
     parser.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_SECONDS,
-                        help="seconds to wait for all processes to join (default "
-                             f"{JOIN_TIMEOUT_SECONDS:g}); past it, exit with code 2")
+                        help="seconds to wait for all processes to join; past it, exit with "
+                             "code 2")
 
 
 def _mesh(args: argparse.Namespace):
@@ -129,18 +143,14 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def load_model(path: Path | None, dtype: str | None = None, mesh=None):
-    """The model at ``path``; without one, the bundled model, else a random tiny one (noise)."""
+    """The model at ``path``; without one, the bundled model (``ConfigError`` if this install
+    lacks it)."""
     from focus_jax.checkpoint import load
 
-    if path is not None:
-        return load(path, dtype=dtype, mesh=mesh)
-    if (BUNDLED_MODEL / "config.json").exists():
-        return load(BUNDLED_MODEL, dtype=dtype, mesh=mesh)
-    from focus_jax.testing import tiny_model
-
-    print("note: no --model given and no bundled model found: using a tiny RANDOM model, "
-          "its output is untrained noise", file=sys.stderr)
-    return tiny_model(tokenizer=True, block_size=8)
+    if path is None and not (BUNDLED_MODEL / "config.json").is_file():
+        raise ConfigError(f"the bundled model is missing from this install ({BUNDLED_MODEL}): "
+                          f"reinstall focus-jax, or pass --model PATH")
+    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh)
 
 
 def format_stats(stats: RunStats, num_layers: int) -> str:
@@ -190,10 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with count_compilations() as compiled:
         results, stats = generate(model, prompts, config, chat=not args.no_chat,
                                   progress=not stream and is_primary(), on_tokens=printer,
-                                  return_stats=True, mesh=mesh,
-                                  # With no persistent cache a background compile would be
-                                  # thrown away at exit (after being waited for).
-                                  full_warmup=args.full_warmup or cache is None)
+                                  return_stats=True, mesh=mesh)
     if not is_primary():
         return 0
     if stream:
@@ -204,19 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(format_stats(stats, model.config.num_layers), file=sys.stderr)
         print(format_compilations(compiled, cache), file=sys.stderr)
-    _finish_background_compiles(cache)
     return 0
-
-
-def _finish_background_compiles(cache: Path | None) -> None:
-    """Wait for the decode round still compiling in the background (a lazy warm-up, which runs
-    only with the persistent cache on), saying why: the next run reads it back."""
-    from focus_jax import compilation
-
-    if compilation.background_compiles_running():
-        print(f"finishing the decode round's other buckets for later runs (kept in {cache})...",
-              file=sys.stderr, flush=True)
-        compilation.wait_for_background_compiles()
 
 
 class _StreamPrinter:
@@ -264,11 +259,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f">>> {prompt}")
             printer = _StreamPrinter(model.tokenizer)
             results, stats = generate(model, prompt, config, on_tokens=printer,
-                                      return_stats=True, full_warmup=cache is None)
+                                      return_stats=True)
             printer.finish(results[0].token_ids)
             print(format_stats(stats, model.config.num_layers) + "\n")
     print(format_compilations(compiled, cache))
-    _finish_background_compiles(cache)
     return 0
 
 
@@ -424,13 +418,28 @@ def _require_positive(args: argparse.Namespace, *names: str) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
+TRAIN_DEFAULTS = {"steps": (10, 1000), "batch_size": (4, 16), "seq_len": (160, 512)}
+"""``focus-jax train``'s defaults on a CPU and elsewhere: on a 2-core CPU the bundled model's run
+takes about a minute (docs/startup.md)."""
+
+
+def _train_defaults(name: str) -> tuple[int, int]:
+    return TRAIN_DEFAULTS[name]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import jax
+
     from focus_jax.config import SUPPORTED_BLOCK_SIZES
     from focus_jax.train import PairSource, TrainConfig, run, train
 
     # Everything that needs no model is checked before the model loads.
     _require_positive(args, "steps", "batch_size", "seq_len", "learning_rate", "log_every",
                       "checkpoint_every", "checkpoint_seconds")
+    on_cpu = jax.default_backend() == "cpu"
+    for name, (cpu, elsewhere) in TRAIN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if on_cpu else elsewhere)
     if args.block_size is not None and args.block_size not in SUPPORTED_BLOCK_SIZES:
         raise ConfigError(f"--block-size {args.block_size} is not supported; supported: "
                           f"{SUPPORTED_BLOCK_SIZES}")
@@ -458,6 +467,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_SLOTS = 32
+"""The server's default slots on GPUs and TPUs (on a CPU: ``SERVE_CPU_SHAPE``)."""
+SERVE_CPU_SHAPE = CPU_SHAPE
+"""The server's default slots and context on a CPU: a chat answers in seconds (docs/startup.md)."""
+SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx")
+"""Modules of the ``serve`` extra (and theirs) that the server imports."""
 SERVE_CONTEXT = 4096
 """The server's default context (cache positions per slot) when the model allows more."""
 
@@ -473,11 +488,20 @@ def _free_slot_round_steps(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import jax
+
     from focus_jax.engine import AsyncEngine, Engine
-    from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
     from focus_jax.sharding import make_mesh, parse_mesh
 
-    if args.max_batch < 1 or args.max_queue < 1:
+    try:
+        from focus_jax.serve import ServeSettings, create_app, listen_socket, serve
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in SERVE_EXTRA:
+            raise
+        raise ConfigError(f"focus-jax serve needs {err.name}, which is not installed: "
+                          f"pip install 'focus-jax[serve]'") from None
+
+    if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 1:
         raise ConfigError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and "
                           f"{args.max_queue}")
     try:
@@ -490,17 +514,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.dtype, mesh)
     if model.tokenizer is None:
         raise ConfigError("the model folder has no tokenizer, which the server needs")
+    on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
+    slots = args.max_batch or (SERVE_CPU_SHAPE[0] if on_cpu else SERVE_SLOTS)
     positions = model.config.max_position_embeddings
-    context = args.max_model_len or min(positions, SERVE_CONTEXT)
+    context = args.max_model_len or min(positions, SERVE_CPU_SHAPE[1] if on_cpu else SERVE_CONTEXT)
     if not 1 <= context <= positions:
         raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
                           f"max_position_embeddings), got {context}")
     config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder),
                               interruptible_rounds=args.round_interrupts,
                               free_slot_round_steps=_free_slot_round_steps(args))
-    engine = Engine(model, config, slots=args.max_batch, cache_len=context, mesh=mesh)
+    engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
     name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
-    print(f"focus-jax serve: compiling every program for {args.max_batch} slots x {context} "
+    print(f"focus-jax serve: compiling every program for {slots} slots x {context} "
           f"positions, {args.mode} mode ...", file=sys.stderr, flush=True)
     engine.warmup()
     app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
@@ -559,7 +585,7 @@ def _compile_check(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="focus-jax", description=(
         "Block-diffusion language models in JAX with FOCUS eviction."))
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate_command(sub)
     _add_convert_command(sub)
     _add_eval_command(sub)
@@ -571,24 +597,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``: appended where the help does not say it already
+    (options whose default depends on the model or the platform say it in words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A sub-command's parser: its help shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_Help, **kwargs)
+
+
 def _add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text for prompts")
     _add_generation_options(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--prompt", action="append",
+                     help="a prompt (repeatable; --prompt or --prompts-file is required)")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line (with or instead of "
+                                            "--prompt; default: none)")
     gen.add_argument("--no-stream", action="store_true", help="print at the end, not as it comes")
-    gen.add_argument("--full-warmup", action="store_true",
-                     help="compile every bucket of the decode round before the first token (by "
-                          "default the whole-block bucket only; the rest compiles in the "
-                          "background and is kept for later runs)")
     gen.set_defaults(func=cmd_generate)
 
 
 def _add_convert_command(sub: argparse._SubParsersAction) -> None:
     conv = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax folder")
-    conv.add_argument("hf_dir", type=Path)
-    conv.add_argument("out_dir", type=Path)
-    conv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    conv.add_argument("hf_dir", type=Path, help="a Hugging Face model folder")
+    conv.add_argument("out_dir", type=Path, help="the orbax model folder to write")
+    conv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                      help="weights' dtype (default: the model's)")
     conv.add_argument("--overwrite", action="store_true",
                       help="replace the model folder at OUT_DIR (kept until the new one is complete)")
     conv.set_defaults(func=cmd_convert)
@@ -596,18 +638,21 @@ def _add_convert_command(sub: argparse._SubParsersAction) -> None:
 
 def _add_eval_command(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="exact match and compute of the modes on held-out tasks")
-    ev.add_argument("--model", type=Path, default=None)
-    ev.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
-    ev.add_argument("--per-task", type=int, default=50)
+    ev.add_argument("--model", type=Path, default=None,
+                    help=f"model folder (default: {BUNDLED_MODEL})")
+    ev.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="weights' dtype (default: the model's)")
+    ev.add_argument("--per-task", type=int, default=50, help="held-out questions per task")
     ev.add_argument("--tasks", default=",".join(WORKED),
                     help="comma-separated task names (focus_jax.tasks.TASKS; default: the worked "
                          "suite the bundled model was trained on)")
-    ev.add_argument("--modes", default="baseline,delayed,focus")
-    ev.add_argument("--alpha", type=float, default=1.5)
-    ev.add_argument("--max-batch", type=int, default=64)
+    ev.add_argument("--modes", default="baseline,delayed,focus", help="comma-separated modes")
+    ev.add_argument("--alpha", type=float, default=1.5, help="FOCUS budget factor")
+    ev.add_argument("--max-batch", type=int, default=64, help="slots decoded together")
     ev.add_argument("--max-new-tokens", type=int, default=128,
                     help="the worked answers run to about 100 tokens")
-    ev.add_argument("--markdown", help="also write the tables to this file")
+    ev.add_argument("--markdown",
+                    help="also write the tables to this file (default: print only)")
     _add_compile_cache_option(ev)
     ev.set_defaults(func=cmd_eval)
 
@@ -635,20 +680,23 @@ def _check_kernels(kernels: str | None) -> None:
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be = sub.add_parser("bench", help="closed-loop throughput of the modes")
     be.add_argument("--geometry", choices=GEOMETRY_NAMES, default=None,
-                    help="random weights of this geometry (else --model)")
-    be.add_argument("--model", type=Path, default=None)
-    be.add_argument("--batches", default="32")
-    be.add_argument("--requests-per-slot", type=int, default=1)
-    be.add_argument("--max-new-tokens", type=int, default=1024)
-    be.add_argument("--modes", default="baseline,delayed,focus")
+                    help="random weights of this geometry (default: --model's weights)")
+    be.add_argument("--model", type=Path, default=None,
+                    help=f"model folder (default: {BUNDLED_MODEL}, unless --geometry)")
+    be.add_argument("--batches", default="32", help="comma-separated batch sizes (slots)")
+    be.add_argument("--requests-per-slot", type=int, default=1, help="requests per slot and run")
+    be.add_argument("--max-new-tokens", type=int, default=1024, help="generated tokens per request")
+    be.add_argument("--modes", default="baseline,delayed,focus", help="comma-separated modes")
     be.add_argument("--bucket-ladder", default=None,
-                    help="compaction bucket sizes as fractions of slots x block, comma-separated")
+                    help="compaction bucket sizes as fractions of slots x block, comma-separated "
+                         "(default: the platform's)")
     be.add_argument("--request-rate", default=None,
                     help="open loop: Poisson arrivals at these rates (requests/s, comma-separated)"
-                         " instead of all requests at once")
+                         " (default: closed loop, all requests at once)")
     be.add_argument("--steps-per-round", type=int, default=GenerationConfig.steps_per_round,
                     help="denoising steps per device round (admissions happen between rounds)")
-    be.add_argument("--json", default=None, help="write the rows (and MFU) to this file")
+    be.add_argument("--json", default=None,
+                    help="write the rows (and MFU) to this file (default: print only)")
     _add_kernels_option(be)
     _add_compile_cache_option(be)
     _add_distribution_options(be)
@@ -657,7 +705,8 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 def _add_train_command(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train", help="fine-tune a model on (prompt, response) pairs")
-    tr.add_argument("--model", type=Path, required=True)
+    tr.add_argument("--model", type=Path, default=None,
+                    help=f"model folder to start from (default: {BUNDLED_MODEL})")
     tr.add_argument("--data", type=Path, required=True,
                     help='JSON lines: {"prompt": ..., "response": ...}')
     tr.add_argument("--out", type=Path, required=True,
@@ -665,27 +714,35 @@ def _add_train_command(sub: argparse._SubParsersAction) -> None:
                          "same command again resumes the run")
     tr.add_argument("--overwrite", action="store_true",
                     help="start over in an --out that holds another run")
-    tr.add_argument("--steps", type=int, default=1000)
-    tr.add_argument("--batch-size", type=int, default=16)
-    tr.add_argument("--seq-len", type=int, default=512)
-    tr.add_argument("--learning-rate", type=float, default=1e-5)
+    tr.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps (default: {} on a CPU, {} elsewhere)".format(
+                        *_train_defaults("steps")))
+    tr.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per step (default: {} on a CPU, {} elsewhere)".format(
+                        *_train_defaults("batch_size")))
+    tr.add_argument("--seq-len", type=int, default=None,
+                    help="tokens per sequence; longer pairs are dropped (default: {} on a CPU, "
+                         "{} elsewhere)".format(*_train_defaults("seq_len")))
+    tr.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW's peak learning rate")
     tr.add_argument("--block-size", type=int, default=None,
                     help="block size to train with (default: the model's); the exported config "
                          "says it")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     tr.add_argument("--log-every", type=int, default=50, help="steps between log.jsonl records")
     tr.add_argument("--checkpoint-every", type=int, default=None,
-                    help="also save a checkpoint every N steps")
+                    help="also save a checkpoint every N steps (default: by time only)")
     tr.add_argument("--checkpoint-seconds", type=float, default=180.0,
-                    help="save a checkpoint at least this often (default 180; also at the end "
+                    help="save a checkpoint at least this often, in seconds (also at the end "
                          "and on Ctrl-C)")
     tr.set_defaults(func=cmd_train)
 
 
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="generate for three held-out prompts with the default model")
-    demo.add_argument("--model", type=Path, default=None)
-    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--model", type=Path, default=None,
+                      help=f"model folder (default: {BUNDLED_MODEL})")
+    demo.add_argument("--max-new-tokens", type=int, default=128,
+                      help="generated tokens per prompt, at most")
     _add_compile_cache_option(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -695,27 +752,32 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--model", type=Path, default=None,
                      help=f"model folder (default: {BUNDLED_MODEL})")
     srv.add_argument("--host", default="127.0.0.1",
-                     help="address to listen on (default 127.0.0.1: this machine only)")
+                     help="address to listen on (127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1/* requests")
-    srv.add_argument("--mode", choices=MODES, default="focus")
-    srv.add_argument("--max-batch", type=int, default=32, help="slots decoded together")
+                     help="require 'Authorization: Bearer KEY' on /v1/* requests (default: none)")
+    srv.add_argument("--mode", choices=MODES, default="focus", help="decoding mode")
+    srv.add_argument("--max-batch", type=int, default=None,
+                     help=f"slots decoded together (default: {SERVE_CPU_SHAPE[0]} on a CPU, "
+                          f"{SERVE_SLOTS} elsewhere)")
     srv.add_argument("--max-queue", type=int, default=256,
                      help="requests that may wait for a slot; beyond it: 429 with Retry-After")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help=f"prompt + generated tokens per request (cache positions per slot; "
-                          f"default: the model's max_position_embeddings, at most {SERVE_CONTEXT})")
+                          f"default: {SERVE_CPU_SHAPE[1]} on a CPU, elsewhere the model's "
+                          f"max_position_embeddings, at most {SERVE_CONTEXT}; never more than "
+                          f"the model's)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model's name in the API (default: the model folder's name)")
     srv.add_argument("--bucket-ladder", default=None,
                      help="compaction bucket sizes as fractions of slots x block, comma-separated "
-                          "(fewer: faster warm-up, more padding)")
-    srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+                          "(fewer: faster warm-up, more padding; default: the platform's)")
+    srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                     help="weights' dtype (default: the model's)")
     _add_kernels_option(srv)
     srv.add_argument("--round-interrupts", action=argparse.BooleanOptionalAction, default=True,
                      help="end a running decode round at the next step when a request arrives "
-                          "for a free slot (default: on)")
+                          "for a free slot")
     srv.add_argument("--free-slot-round-steps", type=int, default=None,
                      help="steps per round while a slot is free and nothing waits (default: "
                           f"{GenerationConfig.steps_per_round} with round interrupts, which admit "
@@ -723,9 +785,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish on SIGTERM before they are aborted")
     srv.add_argument("--mesh", default=None,
-                     help="shard over devices: data=D,model=M (slots over data, heads/MLP over model)")
+                     help="shard over devices: data=D,model=M (slots over data, heads/MLP over "
+                          "model; default: one device)")
     srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
-                     default="info")
+                     default="info", help="uvicorn's log level")
     srv.set_defaults(func=cmd_serve)
 
 
@@ -735,15 +798,20 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
     cc.add_argument("--topology", required=True,
                     help="TPU slice as libtpu names it: v5e:1x1, v5e:2x4, v6e:2x4, v5p:2x2x1, ...")
     cc.add_argument("--geometry", choices=GEOMETRY_NAMES, default=None,
-                    help="a named model geometry (else --model)")
-    cc.add_argument("--model", type=Path, default=None, help="a model folder (its config.json)")
-    cc.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+                    help="a named model geometry (one of --geometry and --model is required; "
+                         "default: none)")
+    cc.add_argument("--model", type=Path, default=None,
+                    help="a model folder, its config.json (default: none, see --geometry)")
+    cc.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="weights' dtype (default: bfloat16 for a geometry, else the model's)")
     cc.add_argument("--batch", type=int, default=64, help="slots decoded together")
     cc.add_argument("--max-len", type=int, default=4096, help="cache positions per slot")
-    cc.add_argument("--mode", choices=MODES, default="focus")
+    cc.add_argument("--mode", choices=MODES, default="focus", help="decoding mode")
     cc.add_argument("--mesh", default=None,
-                    help="data=D,expert=X,model=M over the slice's chips (needed beyond one chip)")
-    cc.add_argument("--block-size", type=int, default=None)
+                    help="data=D,expert=X,model=M over the slice's chips (needed beyond one chip; "
+                         "default: one chip)")
+    cc.add_argument("--block-size", type=int, default=None,
+                    help="block size (default: the model's)")
     cc.add_argument("--bucket-ladder", default=None,
                     help="compaction bucket sizes as fractions of slots x block (default: the "
                          "engine's 16 buckets)")
@@ -759,13 +827,26 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
     cc.set_defaults(func=cmd_compile_check)
 
 
+PROMPT_EXIT_COMMANDS = ("generate", "demo", "eval", "bench", "compile-check")
+"""Commands that Ctrl-C ends within a second even inside a compile (:mod:`focus_jax.ctrl_c`):
+they leave nothing half-written. ``train`` saves a checkpoint on Ctrl-C, ``serve`` drains, and
+``convert`` finishes its folder or removes it: those end when Python sees the interrupt."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ConfigError, RequestError, OSError, ValueError) as err:
-        print(f"focus-jax: error: {err}", file=sys.stderr)
-        return 2
+    prompt = args.command in PROMPT_EXIT_COMMANDS
+    with ctrl_c.exit_promptly() if prompt else contextlib.nullcontext():
+        try:
+            return args.func(args)
+        except (ConfigError, RequestError, OSError, ValueError) as err:
+            print(f"focus-jax: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # Ctrl-C: as a shell reports a process ended by SIGINT
+            print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)
+            if prompt:
+                ctrl_c.exit_now()
+            return 130
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Compiled programs: the engine's jitted prefill and decode round, kept per setting in a bounded
-cache; compiles in a background thread (a lazy warm-up's full decode round); and JAX's
-persistent compilation cache, which keeps compiled programs between processes.
+cache; compiles side by side (a warm-up on a many-core host); and JAX's persistent compilation
+cache, which keeps compiled programs between processes.
 
 ``jax.jit`` with static arguments keeps every combination it has seen, with its executables, for
 the life of the process (37 MiB of RSS per decode-round setting of the bundled model with the
@@ -15,11 +15,9 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import math
 import os
 import threading
-import weakref
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
@@ -140,17 +138,7 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
     return PROGRAMS.get(key, make)
 
 
-# ------------------------------------------------------------------------- background compilation
-_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                  thread_name_prefix="focus_jax_compile")
-"""One thread: a background compile takes the cores XLA's compiler would use anyway. Python
-waits for a running compile at exit (its program then reaches the persistent cache)."""
-_BACKGROUND: weakref.WeakKeyDictionary[Callable, dict] = weakref.WeakKeyDictionary()
-"""Background compiles, running or done, by program (held weakly: a program released from
-:data:`PROGRAMS` takes its executables with it) and argument shapes."""
-_BACKGROUND_LOCK = threading.Lock()
-
-
+# ---------------------------------------------------------------------------- compiling a warm-up
 def _shape(leaf: object) -> object:
     """An argument's stand-in for lowering, as ``jax.jit`` would see it (an uncommitted array
     given a sharding, or a weak type lost, would make another program)."""
@@ -160,39 +148,10 @@ def _shape(leaf: object) -> object:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") else leaf
 
 
-def _shapes(args: tuple) -> tuple[object, Hashable]:
-    """The arguments' stand-ins, and a key for them."""
-    shapes = jax.tree.map(_shape, args)
-    leaves, tree = jax.tree.flatten(shapes)
-    return shapes, (tree, tuple(leaves))
-
-
 def _compile(program: Callable, shapes: tuple) -> None:
-    """Compile the jitted ``program`` for the argument stand-ins ``shapes`` (:func:`_shapes`):
-    calling it with arguments of those shapes then compiles nothing (``jax.jit`` keeps the
-    executable)."""
+    """Compile the jitted ``program`` for the argument stand-ins ``shapes``: calling it with
+    arguments of those shapes then compiles nothing (``jax.jit`` keeps the executable)."""
     program.lower(*shapes).compile()
-
-
-def compile_in_background(program: Callable, *args: object,
-                          remember_as: tuple = ()) -> concurrent.futures.Future:
-    """Compile the jitted ``program`` for arguments shaped like ``args`` in a background
-    thread. Once the future is done, calling ``program`` with such arguments compiles nothing
-    (``jax.jit`` keeps the executable). A program already compiled or compiling for these
-    shapes is not compiled again: its future is returned. With ``remember_as`` (and the
-    persistent cache on), :func:`compiled_before` is true for it in later processes."""
-    shapes, key = _shapes(args)
-    marker = _marker(remember_as, shapes) if remember_as else None
-
-    def compile_program() -> None:
-        _compile(program, shapes)
-        _touch(marker)
-
-    with _BACKGROUND_LOCK:
-        compiles = _BACKGROUND.setdefault(program, {})
-        if key not in compiles:
-            compiles[key] = _COMPILER.submit(compile_program)
-        return compiles[key]
 
 
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -206,67 +165,11 @@ def compile_together(programs: list[tuple[Callable, tuple]]) -> None:
     """Compile each jitted ``(program, args)`` for arguments shaped like ``args``,
     :data:`WARMUP_WORKERS` at a time, longest first as listed. The first compile error is
     raised."""
-    shaped = [(program, _shapes(args)[0]) for program, args in programs]  # before any donation
+    shaped = [(program, jax.tree.map(_shape, args)) for program, args in programs]  # before donation
     with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_WORKERS,
                                                thread_name_prefix="focus_jax_warmup") as pool:
         for future in [pool.submit(_compile, program, shapes) for program, shapes in shaped]:
             future.result()
-
-
-def note_compiled(program: Callable, *args: object, remember_as: tuple = ()) -> None:
-    """Record that ``program`` was compiled (in the foreground) for arguments shaped like
-    ``args``, as a finished background compile would be."""
-    shapes, key = _shapes(args)
-    done = concurrent.futures.Future()
-    done.set_result(None)
-    with _BACKGROUND_LOCK:
-        _BACKGROUND.setdefault(program, {}).setdefault(key, done)
-    _touch(_marker(remember_as, shapes) if remember_as else None)
-
-
-def _touch(marker: Path | None) -> None:
-    if marker is not None and jax.process_index() == 0:  # the process that writes the cache
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-
-
-def compiled_before(program: Callable, *args: object, remember_as: tuple = ()) -> bool:
-    """Whether ``program`` was compiled for arguments shaped like ``args`` in this process
-    (:func:`compile_in_background` finished, or :func:`note_compiled`), or, named by
-    ``remember_as``, in an earlier one with the same persistent cache folder: it is then most
-    likely a cache read. (JAX may have dropped the entry since, past the cache's size limit;
-    the program is then compiled again, which costs time, not tokens.)"""
-    shapes, key = _shapes(args)
-    with _BACKGROUND_LOCK:
-        future = _BACKGROUND.get(program, {}).get(key)
-    if future is not None and future.done() and future.exception() is None:
-        return True
-    marker = _marker(remember_as, shapes) if remember_as else None
-    return marker is not None and marker.exists()
-
-
-def _marker(remember_as: tuple, shapes: object) -> Path | None:
-    """A file in the persistent cache folder that stands for a program compiled there."""
-    folder = persistent_cache_folder()
-    if folder is None:
-        return None
-    described = repr((jax.__version__, jax.devices()[0].device_kind, remember_as, shapes))
-    return folder / "focus_jax_compiled" / hashlib.sha256(described.encode()).hexdigest()[:40]
-
-
-def _background_futures() -> list[concurrent.futures.Future]:
-    with _BACKGROUND_LOCK:
-        return [f for compiles in _BACKGROUND.values() for f in compiles.values()]
-
-
-def background_compiles_running() -> int:
-    """Background compiles not yet finished."""
-    return sum(not future.done() for future in _background_futures())
-
-
-def wait_for_background_compiles() -> None:
-    """Block until every background compile has finished (their errors are their callers')."""
-    concurrent.futures.wait(_background_futures())
 
 
 release_program = jax.jit(decoding.release, donate_argnums=(0,))

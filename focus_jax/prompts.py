@@ -93,6 +93,10 @@ def read_lines(path: Path, expected: str) -> tuple[list[str], bytes]:
 
 
 def read_prompts_file(path: Path) -> list[str]:
-    """The prompts of a text file, one per non-blank line (``ConfigError`` as :func:`read_lines`)."""
+    """The prompts of a text file, one per non-blank line (``ConfigError`` as :func:`read_lines`,
+    and for a file without a prompt)."""
     lines, _ = read_lines(path, "a text file with one prompt per line")
-    return [line.rstrip("\r") for line in lines if line.strip()]
+    prompts = [line.rstrip("\r") for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{path} is empty: give a text file with one prompt per line")
+    return prompts

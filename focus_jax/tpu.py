@@ -49,14 +49,16 @@ class Chip:
     """The smallest topology libtpu gives (one host), where a single chip is taken from."""
     dims: int
     """Dimensions of its topologies (2-D torus for v5e and v6e, 3-D for v5p)."""
+    accelerator_type: str
+    """Its host topology as Cloud TPU names it (``TPU_ACCELERATOR_TYPE``)."""
 
 
 # HBM per chip from libtpu 0.0.48.1's own out-of-memory message ("exceeds available HBM
 # (15.75G)"), measured by compiling a 600 GiB program for one chip of each generation.
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("v5e", "TPU v5 lite", round(15.75 * GIB), "v5e:2x2", 2),
-    "v6e": Chip("v6e", "TPU v6 lite", round(31.24 * GIB), "v6e:2x2", 2),
-    "v5p": Chip("v5p", "TPU v5", round(95.73 * GIB), "v5p:2x2x1", 3),
+    "v5e": Chip("v5e", "TPU v5 lite", round(15.75 * GIB), "v5e:2x2", 2, "v5litepod-4"),
+    "v6e": Chip("v6e", "TPU v6 lite", round(31.24 * GIB), "v6e:2x2", 2, "v6e-4"),
+    "v5p": Chip("v5p", "TPU v5", round(95.73 * GIB), "v5p:2x2x1", 3, "v5p-8"),
 }
 
 
@@ -141,6 +143,12 @@ def devices(topology: Topology) -> list[jax.Device]:
     require_libtpu()
     from jax.experimental import topologies
 
+    # libtpu starts by asking the cloud's metadata server what this host is; off a TPU VM it
+    # prints three warnings and an "E0000 ... INVALID_ARGUMENT" line (worker hostnames) on
+    # stderr, in the middle of compile-check's table. Told, it asks nothing (the topology's
+    # devices and compiles are the same: tests/test_libtpu_quiet.py).
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.chip.accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     single = topology.chips == 1
     name = topology.chip.host_topology if single else topology.name
     try:

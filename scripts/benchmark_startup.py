@@ -1,9 +1,9 @@
 """Time to a newcomer's first answers, and what each bucket ladder costs on this machine.
 
-1. ``focus-jax generate`` (one prompt, bundled model) per bucket ladder, with its default lazy
-   warm-up and with ``--full-warmup``, in a process with an
+1. ``focus-jax generate`` (one prompt, bundled model) per bucket ladder, in a process with an
    empty persistent compilation cache and no bytecode of the project (as in a fresh clone), then
-   again with the cache it left; ``make demo`` the same two ways. Each run is a fresh
+   again with the cache it left; ``focus-jax demo`` (what ``make demo`` runs once the virtual
+   environment is installed) the same two ways. Each run is a fresh
    process, as on the command line: its wall time, its CPU time (user + system, all threads:
    less sensitive than wall time to other jobs on a shared machine) and the split its output
    gives (compilation, decoding; the rest is imports and loading the model).
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -62,8 +61,7 @@ def children_cpu_seconds() -> float:
 def timed(command: list[str], cache: Path) -> dict:
     """Run ``command`` in a fresh process with its persistent cache in ``cache``: wall and CPU
     time, when its standard output began and when it last wrote there (the answer streamed and
-    complete; a lazy warm-up's background compile may still run after), the load average before
-    and after, and what its output says."""
+    complete), the load average before and after, and what its output says."""
     env = {**os.environ, "FOCUS_JAX_CACHE_DIR": str(cache)}
     load_before, cpu_before = os.getloadavg()[0], children_cpu_seconds()
     start = time.perf_counter()
@@ -155,9 +153,7 @@ def main() -> None:
                         help=f"comma-separated names among {list(LADDERS)}")
     parser.add_argument("--skip-cli", action="store_true", help="no generate/demo processes")
     parser.add_argument("--skip-demo", action="store_true")
-    parser.add_argument("--warmups", default="lazy,full",
-                        help="generate's warm-ups to time: lazy (the default), full "
-                             "(--full-warmup), or both")
+    parser.add_argument("--prompt", default=PROMPT, help="generate's prompt")
     parser.add_argument("--batch", type=int, default=0,
                         help="also compare the ladders at this many slots (0: no)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -172,17 +168,14 @@ def main() -> None:
                                  capture_output=True, text=True).stdout.strip()}
     if not args.skip_cli:
         report["generate"] = {}
-        for name, warmup in itertools.product(names, args.warmups.split(",")):
-            command = [str(FOCUS_JAX), "generate", "--prompt", PROMPT, "--stats"]
+        for name in names:
+            command = [str(FOCUS_JAX), "generate", "--prompt", args.prompt, "--stats"]
             if LADDERS[name] is not None:
                 command += ["--bucket-ladder", ",".join(f"{f:g}" for f in LADDERS[name])]
-            if warmup == "full":
-                command.append("--full-warmup")
-            key = name if warmup == "lazy" else f"{name} (full warm-up)"
-            report["generate"][key] = fresh_and_again(command)
-            print(key, json.dumps(report["generate"][key]), flush=True)
+            report["generate"][name] = fresh_and_again(command)
+            print(name, json.dumps(report["generate"][name]), flush=True)
         if not args.skip_demo:
-            report["demo"] = fresh_and_again(["make", "-s", "demo"])
+            report["demo"] = fresh_and_again([str(FOCUS_JAX), "demo"])
             print("demo", json.dumps(report["demo"]), flush=True)
     if args.batch:
         report[f"batch_{args.batch}"] = ladder_costs([n for n in names if LADDERS[n]],

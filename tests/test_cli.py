@@ -102,3 +102,106 @@ def test_demo_answers_its_prompts_with_the_bundled_model(capsys):
     letters = reverse.removeprefix("Reverse: ").split()
     assert "12 apples, gets 9 more, gives away 6 and gets 3 more" in story
     assert answers == [str(int(a) + int(b)), " ".join(reversed(letters)), str(12 + 9 - 6 + 3)]
+
+
+def test_serve_without_the_serve_extra_names_the_install_command():
+    import subprocess
+    import sys
+
+    hide = "import sys; sys.modules['fastapi'] = None; from focus_jax.cli import main; "
+    done = subprocess.run([sys.executable, "-c", hide + "sys.exit(main(['serve']))"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "focus-jax: error: focus-jax serve needs fastapi, which is not installed: "
+        "pip install 'focus-jax[serve]'")
+    assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_ends_generate_at_once_with_status_130_and_no_traceback(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Add: 1+2\nReverse: a b c\n" * 8)
+    log = tmp_path / "stderr.txt"
+    # One token per step (no token is above threshold 1): seconds of decoding to interrupt.
+    command = [sys.executable, "-m", "focus_jax.cli", "generate", "--prompts-file", str(prompts),
+               "--max-new-tokens", "256", "--threshold", "1"]
+    with log.open("w") as err:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err,
+                                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 300
+        while "%|" not in log.read_text() and time.monotonic() < deadline:  # decoding begun
+            assert process.poll() is None, log.read_text()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        code = process.wait(timeout=30)
+    finally:
+        process.kill()
+    assert code == 130 and time.monotonic() - signalled < 10
+    assert "Traceback" not in log.read_text() and "focus-jax: interrupted" in log.read_text()
+
+
+def test_help_shows_every_options_default():
+    import argparse
+
+    from focus_jax.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"generate", "serve", "train", "demo", "eval", "bench"} <= set(commands)
+    for name, parser in commands.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.required or action.nargs == 0 or not action.option_strings:
+                continue  # required, a flag (off unless given), or a positional argument
+            shown = formatter._get_help_string(action)
+            assert "default" in shown or "is required" in shown, (name, action.dest)
+
+
+def test_serve_on_a_cpu_defaults_to_4_slots_of_256_positions(monkeypatch):
+    pytest.importorskip("fastapi")
+    import focus_jax.engine
+    from focus_jax.config import ConfigError
+
+    seen = {}
+
+    class Stop(focus_jax.engine.Engine):
+        def __init__(self, model, config, *, slots, cache_len, mesh=None):
+            seen.update(slots=slots, cache_len=cache_len)
+            raise ConfigError("stop here")
+
+    monkeypatch.setattr(focus_jax.engine, "Engine", Stop)
+    assert main(["serve", "--port", "0"]) == 2
+    assert seen == {"slots": 4, "cache_len": 256}
+
+
+def test_ctrl_c_inside_a_compile_ends_generate_within_seconds(tmp_path):
+    """A compile does not return to Python for seconds (a minute for SDAR-8B on a GPU): the
+    signal itself ends the command (focus_jax.ctrl_c), with one line and status 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "focus_jax.cli", "generate", "--prompt", "What is 2+2?",
+               "--no-compile-cache"]  # compiles for about 10 s on 2 cores, after 3-5 s of loading
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        time.sleep(6)
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and time.monotonic() - signalled < 3
+    assert err.strip().splitlines() == ["focus-jax: interrupted"]

@@ -126,6 +126,13 @@ def test_evaluate_and_bench_refuse_empty_work_by_name(model):
 
 
 # --------------------------------------------------------------------------- the command line
+def test_an_empty_prompts_file_is_reported_as_empty(tmp_path, capsys):
+    for name, content in (("empty.txt", ""), ("blank.txt", "\n  \n")):
+        (tmp_path / name).write_text(content)
+        code, _, err = run_cli(["generate", "--prompts-file", str(tmp_path / name)], capsys)
+        assert code == 2 and f"{tmp_path / name} is empty" in err and "--prompt TEXT" not in err
+
+
 def test_prompts_file_that_is_a_folder_or_not_utf8_is_named(tmp_path, capsys):
     code, _, err = run_cli(["generate", "--prompts-file", str(tmp_path)], capsys)
     one_line_error(code, err, str(tmp_path), "is a folder")

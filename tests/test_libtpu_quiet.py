@@ -42,3 +42,17 @@ def test_generate_prints_no_libtpu_errors_without_a_tpu(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert not [line for line in LIBTPU_ERRORS if line in done.stderr], done.stderr
+
+
+def test_compile_check_prints_its_table_and_nothing_from_libtpu(tmp_path):
+    """libtpu, loaded for the topology, once printed its metadata warnings and an "E0000 ...
+    INVALID_ARGUMENT" line in the middle of the table."""
+    command = [sys.executable, "-m", "focus_jax.cli", "compile-check", "--topology", "v5e:2x2",
+               "--mesh", "data=1,model=1", "--model", str(REPO / "checkpoints" / "focus-tiny"),
+               "--batch", "2", "--max-len", "64", "--bucket-ladder", "1",
+               "--prompt-buckets", "none"]
+    done = subprocess.run(command, cwd=REPO, env=user_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "decode round       compiled" in done.stdout
+    assert done.stderr == ""

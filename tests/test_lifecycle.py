@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import time
 
+import jax
 import pytest
 
 from focus_jax import GenerationConfig
@@ -283,6 +284,29 @@ def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled
     assert took < 30 and not alive
 
 
+def test_max_queue_counts_waiting_requests_not_running_ones(model):
+    """4 slots and max_queue=2: of a burst of 10 requests, 4 run, 2 wait, 4 are refused."""
+    config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8, bucket_ladder=(1.0,))
+
+    async def burst() -> tuple[int, int]:
+        engine = AsyncEngine(Engine(model, config, slots=4, cache_len=32), max_queue=2)
+
+        async def one() -> str:
+            try:
+                async for out in engine.generate([5, 6, 7]):
+                    if out.finished:
+                        return "done"
+            except QueueFull:
+                return "full"
+            return "unfinished"
+
+        outcomes = await asyncio.gather(*(one() for _ in range(10)))
+        await engine.shutdown()
+        return outcomes.count("done"), outcomes.count("full")
+
+    assert asyncio.run(burst()) == (6, 4)
+
+
 def test_open_loop_bench_serves_every_request_and_orders_its_latencies(model):
     from focus_jax import bench
 
@@ -401,3 +425,12 @@ def run_to_completion_of(model, config, prompts):
     ids = [engine.add_request(p) for p in prompts]
     results = run_to_completion(engine)
     return [results[i].token_ids for i in ids]
+
+
+def test_an_engine_without_a_size_takes_the_platforms_or_the_configs(model):
+    config = GenerationConfig(mode="focus", block_size=4)
+    assert jax.default_backend() == "cpu"  # the tests' platform (conftest)
+    engine = Engine(model, config)
+    assert (engine.slots, engine.cache_len) == (4, 256)
+    sized = Engine(model, config.replace(max_batch=2, max_cache_len=64))
+    assert (sized.slots, sized.cache_len) == (2, 64)

@@ -452,6 +452,15 @@ def test_sigterm_ends_every_request_and_exits_0(tmp_path, cache):
         assert all(streams), "every request should be streaming before SIGTERM"
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
+        async with httpx.AsyncClient(timeout=10) as probe:  # still answering while it drains
+            while (health := await probe.get(server.url + "/health")).status_code == 200:
+                assert time.monotonic() < signalled + DEADLINE
+                await asyncio.sleep(0.01)
+            assert health.status_code == 503
+            until = time.monotonic() + 0.3  # and goes on answering it (the drain takes longer)
+            while time.monotonic() < until and not all(task.done() for task in tasks):
+                assert (await probe.get(server.url + "/health")).status_code == 503
+                await asyncio.sleep(0.02)
         await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE)
         code = await asyncio.to_thread(server.process.wait, 60)
         assert code == 0, server.tail()

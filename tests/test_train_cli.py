@@ -195,3 +195,28 @@ def test_a_data_path_that_is_a_folder_or_missing_is_an_error(model_dir, tmp_path
     missing = tmp_path / "missing.jsonl"
     assert f"{missing} does not exist" in error_of(command(model_dir, missing, tmp_path / "b"),
                                                    capsys)
+
+
+def test_train_defaults_to_the_bundled_model_and_a_cpu_sized_run(tmp_path, monkeypatch):
+    """Without --model, the bundled model; on a CPU, a run of seconds per step (10 steps of 4
+    sequences of 160 tokens)."""
+    import types
+
+    from focus_jax import cli, train
+
+    seen = {}
+
+    def load_model(path, dtype=None, mesh=None):
+        seen["model"] = (path, dtype)
+        return types.SimpleNamespace(config=types.SimpleNamespace(block_size=32))
+
+    def pair_source(model, data, batch_size, seq_len, seed):
+        seen["source"] = (batch_size, seq_len)
+        raise cli.ConfigError("stop here")
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    monkeypatch.setattr(train, "PairSource", pair_source)
+    assert cli.main(["train", "--data", str(tmp_path / "pairs.jsonl"),
+                     "--out", str(tmp_path / "run")]) == 2
+    assert seen == {"model": (None, "float32"), "source": (4, 160)}
+    assert cli.TRAIN_DEFAULTS["steps"][0] == 10

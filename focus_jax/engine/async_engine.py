@@ -51,7 +51,8 @@ class _Stream:
 class AsyncEngine:
     """Runs ``engine`` on a background thread; many coroutines submit and stream at once.
 
-    ``max_queue``: at most this many requests wait for a slot (:class:`QueueFull` beyond it).
+    ``max_queue``: at most this many requests wait for a slot (:class:`QueueFull` beyond it);
+    running requests do not count (``slots`` running and ``max_queue`` waiting are taken).
     ``step_listeners``: callables ``(outputs, engine)`` run on the loop's thread after every
     step (metrics).
     """
@@ -90,9 +91,9 @@ class AsyncEngine:
             raise EngineClosed("the engine is shutting down" if self._failure is None
                                else f"the engine failed: {self._failure}")
         ids, resolved = self.engine.validate(prompt, params)
-        if self.max_queue is not None and self._submitted - self.num_running >= self.max_queue:
-            raise QueueFull(f"{self.max_queue} requests already wait for a slot")
         with self._id_lock:
+            if self.max_queue is not None and self.queued >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests already wait for a slot")
             rid = next(self._ids)
             self._submitted += 1
         stream = _Stream(asyncio.get_running_loop())
@@ -114,6 +115,13 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    @property
+    def queued(self) -> int:
+        """Requests taken and not finished beyond the engine's slots: those that wait for a
+        slot. (A request taken while a slot is free counts as running: the next step admits
+        it, whether or not the loop has read it yet.)"""
+        return max(0, self._submitted - self.engine.slots)
 
     def abort(self, request_id: int) -> None:
         """End a request (its consumer gets a last output with ``finish_reason="abort"``)."""

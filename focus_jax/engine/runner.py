@@ -3,12 +3,11 @@ programs (prefill into slots, release of slots, the decode round) and nothing el
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -103,9 +102,6 @@ class Runner:
         self.interrupt = interrupts.Interrupt()
         """Ends a running round after its current step when set (read by interruptible rounds
         only: ``settings.interruptible``)."""
-        self._starter_round: Callable | None = None
-        """After a lazy warm-up, the round run until the full one has compiled."""
-        self._compiling: concurrent.futures.Future | None = None
 
     def prompt_bucket(self, length: int) -> int:
         """The padded length a prompt of ``length`` tokens is prefilled at."""
@@ -148,24 +144,10 @@ class Runner:
         every slot is idle, or the first finished request with ``stop_on_finish``, or the first
         request's first output with ``stop_on_first_output``) and copy its results to the
         host."""
-        self.state, results, _ = self._round_program()(
+        self.state, results, _ = self._round(
             *self._round_args(stop_on_finish, steps, stop_on_first_output))
         # One transfer per round: the step counts and slot progress, packed in one array.
         return decoding.unpack_round(to_host(results), self.steps_per_round)
-
-    def _round_program(self) -> Callable:
-        """The full decode round, or the whole-block-only one while the full one compiles."""
-        if self._compiling is not None:
-            if not self._compiling.done():
-                return self._starter_round
-            compiling, self._compiling = self._compiling, None
-            compiling.result()  # its compile error, if any, is this round's
-        return self._round
-
-    @property
-    def full_round_ready(self) -> bool:
-        """Rounds run the full bucket ladder (no background compile is pending)."""
-        return self._compiling is None or self._compiling.done()
 
     def _round_args(self, stop_on_finish: bool, steps: int | None = None,
                     stop_on_first_output: bool = False) -> tuple:
@@ -180,29 +162,16 @@ class Runner:
         compiled program: memory, HLO, cost)."""
         return self._round.lower(*self._round_args(False))
 
-    def warmup(self, prompt_lengths: Sequence[int] | None = None, *, lazy: bool = False) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
         release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket (or
         at the buckets of ``prompt_lengths`` when they are known). Runs them on padding only:
         nothing changes.
 
-        ``lazy``: unless the full round was compiled before (in this process, or into the
-        persistent cache by an earlier one), the decode round is compiled with the whole-block
-        bucket only (every step fits it, and the ladder does not change tokens), and the full
-        ladder's round then compiles in a background thread; rounds switch to it once it is
-        ready. On a 2-core CPU the whole-block round compiles in about half the time of the CPU
-        ladder's four buckets (docs/startup.md). One process only: the processes of a
-        multi-process run must run the same program at every round."""
-        args = self._round_args(False)
-        remember_as = ("decode round", repr(self.model.config), repr(self.settings),
-                       self.steps_per_round)
-        several_buckets = len(self.settings.processed_ladder + self.settings.retained_ladder) > 2
-        lazy = (lazy and several_buckets and jax.process_count() == 1
-                and not compilation.compiled_before(self._round, *args, remember_as=remember_as))
-        if lazy:
-            self._starter_round = compilation.decode_round_program(
-                self._platform, self.model.graphdef, whole_block_only(self.settings),
-                self.steps_per_round, self.slots, self.cache_len)
+        Every round runs this one decode round: a program with another bucket ladder (a faster
+        compile, say) multiplies other row counts, which in bfloat16 can flip a near-tie token,
+        so switching programs mid-request would make a request's tokens depend on when a
+        compile finished (docs/startup.md, "One program per engine")."""
         buckets = prompt_buckets(self.settings.block_size, self.cache_len)
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
@@ -210,29 +179,15 @@ class Runner:
         padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                     np.full((n,), self.slots, np.int32), slot_params_rows([], n))
                    for n, length in itertools.product(prefill_rows(self.prefill_batch), buckets)]
-        round_program = self._starter_round if lazy else self._round
         if compilation.WARMUP_WORKERS > 1:  # compiled side by side first, the round the longest
             compilation.compile_together(
-                [(round_program, args)]
+                [(self._round, self._round_args(False))]
                 + [(self._prefill, (self.model.params, self.state, *rows)) for rows in padding])
         for rows in padding:
             self._run_prefill(*rows)
         self.release([])
-        self.state, _, _ = round_program(*self._round_args(False))
+        self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
-        args = self._round_args(False)  # the state was replaced (donated) by the round
-        if lazy:  # after the starter: on two cores, compiling both at once delays the first
-            self._compiling = compilation.compile_in_background(self._round, *args,
-                                                                remember_as=remember_as)
-        else:
-            compilation.note_compiled(self._round, *args, remember_as=remember_as)
-
-
-def whole_block_only(settings: decoding.DecodeSettings) -> decoding.DecodeSettings:
-    """``settings`` with one bucket per compaction, the whole block of every slot: the decode
-    round that compiles fastest (its tokens are those of any ladder)."""
-    return dataclasses.replace(settings, processed_ladder=settings.processed_ladder[-1:],
-                               retained_ladder=settings.retained_ladder[-1:])
 
 
 def check_memory_fits(params: nnx.State, state: decoding.DecodeState,

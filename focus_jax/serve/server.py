@@ -1,8 +1,9 @@
 """Running the application with uvicorn, and shutting it down on SIGTERM or SIGINT.
 
-On the first signal the server stops listening (uvicorn closes its sockets and idle
-connections) while the engine lets running requests finish within the grace period and aborts
-the rest (their clients get an error event or a 503); then the process exits normally (status 0).
+On the first signal the engine lets running requests finish within the grace period and aborts
+the rest (their clients get an error event or a 503); meanwhile the server still answers, so
+that probes see ``/health`` turn 503 (not a refused connection) and new requests get a 503.
+Once the engine has drained, uvicorn stops listening, and the process exits normally (status 0).
 A second signal exits at once.
 """
 
@@ -62,7 +63,8 @@ class DrainingServer(uvicorn.Server):
         self.state.draining = True
         self._drain = asyncio.get_running_loop().create_task(
             self.state.engine.shutdown(self.state.settings.grace_seconds))
-        self.should_exit = True
+        # Listening until the drain ends: /health answers 503 meanwhile.
+        self._drain.add_done_callback(lambda _: setattr(self, "should_exit", True))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
