@@ -91,17 +91,7 @@ def layer_flops_per_token(cfg: ModelConfig) -> float:
     """Matmul FLOPs of one token through one layer (projections and feed-forward: the MLP, or
     the router, the chosen experts and the shared expert), averaged over the layers: the active
     parameters' FLOPs."""
-    e, d = cfg.hidden_size, cfg.head_dim
-    attention = e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    feed_forward = 0
-    for kind in cfg.layer_kinds:
-        if kind == "dense":
-            feed_forward += 3 * e * cfg.intermediate_size
-        else:
-            m = cfg.moe
-            feed_forward += (e * m.num_experts
-                             + 3 * e * (m.experts_per_token * m.expert_size + m.shared_expert_size))
-    return 2 * (attention + feed_forward / cfg.num_layers)
+    return 2 * (cfg.attention_params + cfg.feed_forward_params(active=True) / cfg.num_layers)
 
 
 def measured_bf16_peak(size: int | None = None, repeats: int = 10) -> float:

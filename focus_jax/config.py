@@ -200,19 +200,29 @@ class ModelConfig:
         return tuple("dense" if self.moe is None or i in dense else "sparse"
                      for i in range(self.num_layers))
 
-    def _params(self, active: bool) -> int:
-        e, d = self.hidden_size, self.head_dim
-        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d + 2 * e
-        ffn = 0
+    @property
+    def attention_params(self) -> int:
+        """One layer's Q/K/V and output projection weights."""
+        return self.hidden_size * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+
+    def feed_forward_params(self, active: bool = False) -> int:
+        """The feed-forward weights of all layers (``active``: those a token runs through, the
+        router and its chosen and shared experts)."""
+        e, total = self.hidden_size, 0
         for kind in self.layer_kinds:
             if kind == "dense":
-                ffn += 3 * e * self.intermediate_size
+                total += 3 * e * self.intermediate_size
             else:
                 m = self.moe
                 experts = m.experts_per_token if active else m.num_experts
-                ffn += 3 * e * (experts * m.expert_size + m.shared_expert_size) + e * m.num_experts
+                total += 3 * e * (experts * m.expert_size + m.shared_expert_size) + e * m.num_experts
+        return total
+
+    def _params(self, active: bool) -> int:
+        e, norms = self.hidden_size, 2 * self.head_dim + 2 * self.hidden_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + self.num_layers * attn + ffn + e + head
+        return (self.vocab_size * e + self.num_layers * (self.attention_params + norms)
+                + self.feed_forward_params(active) + e + head)
 
     @property
     def num_params(self) -> int:

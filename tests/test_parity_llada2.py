@@ -10,8 +10,7 @@ import pytest
 
 import focus_jax
 from focus_jax.config import ConfigError
-from focus_jax.models.decoder import block_causal_mask, dense_attention
-from focus_jax.models.moe import MoE
+from focus_jax.models.decoder import block_causal_mask, router_choices
 from tests.llada2_checkpoint import write_tiny_llada2
 from tests.llada2_reference import llada2_reference
 
@@ -27,27 +26,6 @@ def tokens(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 96, size=(2, 16)).astype(np.int32)
 
 
-def our_choices(model: focus_jax.Model, ids: np.ndarray, block_size: int) -> dict[int, np.ndarray]:
-    decoder = model.module()
-    ids = jnp.asarray(ids)
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    mask = block_causal_mask(ids.shape[1], block_size)
-    k = model.config.moe.experts_per_token
-
-    def body(layer, x, _):
-        q, keys, values = layer.qkv(x, positions)
-        attn = dense_attention(q, keys, values, mask)
-        normed = layer.block.post_attn_norm(x + layer.block.attn.output(attn.astype(x.dtype)))
-        experts = (layer.feed_forward.route(normed.reshape(-1, normed.shape[-1]))[0]
-                   if isinstance(layer.feed_forward, MoE)
-                   else jnp.full((x.shape[0] * x.shape[1], k), -1, jnp.int32))
-        return layer.finish(x, attn), experts.reshape(*x.shape[:2], k)
-
-    _, experts = jax.jit(lambda: decoder.scan_layers(body, decoder.embed_tokens(ids)))()
-    experts = np.sort(np.asarray(experts), axis=-1)
-    return {i: experts[i] for i, kind in enumerate(model.config.layer_kinds) if kind == "sparse"}
-
-
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_logits_and_router_choices_match_the_reference(folder, block_size):
     model = focus_jax.load(folder, dtype="float32", tokenizer=False)
@@ -56,7 +34,11 @@ def test_logits_and_router_choices_match_the_reference(folder, block_size):
         block_causal_mask(ids.shape[1], block_size)), dtype=np.float64)
     logits = np.asarray(model.logits(ids, block_size))
     assert np.abs(logits - expected).max() <= 1e-4
-    choices = our_choices(model, ids, block_size)
+    decoder = model.module()
+    every_layer = np.asarray(jax.jit(lambda: router_choices(decoder, jnp.asarray(ids),
+                                                            block_size))())
+    choices = {i: every_layer[i] for i, kind in enumerate(model.config.layer_kinds)
+               if kind == "sparse"}
     assert sorted(choices) == sorted(expected_choices) == [1, 2]
     for layer, chosen in choices.items():
         np.testing.assert_array_equal(chosen, expected_choices[layer])
@@ -95,3 +77,15 @@ def test_an_inconsistent_moe_config_names_the_field(tmp_path, field, value, mess
     write_tiny_llada2(tmp_path, seed=0, **{field: value})
     with pytest.raises(ConfigError, match=message):
         focus_jax.load(tmp_path, dtype="float32", tokenizer=False)
+
+
+def test_converted_orbax_folder_gives_the_same_logits_and_config(folder, tmp_path):
+    from focus_jax.checkpoint import convert
+
+    out = convert(folder, tmp_path / "converted", dtype="float32")
+    converted = focus_jax.load(out, dtype="float32", tokenizer=False)
+    original = focus_jax.load(folder, dtype="float32", tokenizer=False)
+    assert converted.config == original.config and converted.config.moe.expert_bias
+    ids = tokens(3)
+    np.testing.assert_array_equal(np.asarray(converted.logits(ids, 4)),
+                                  np.asarray(original.logits(ids, 4)))

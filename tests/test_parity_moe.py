@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import focus_jax
-from focus_jax.models.decoder import block_causal_mask, dense_attention
-from focus_jax.models.moe import MoE
+from focus_jax.models.decoder import router_choices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 CASES = ["sdar_moe_tiny", "qwen3_moe_sparse_step"]
@@ -24,30 +23,6 @@ def load(case: str, dtype: str = "float32") -> focus_jax.Model:
 def reference(case: str) -> dict[str, np.ndarray]:
     with np.load(FIXTURES / case / "reference_logits.npz") as npz:
         return {key: npz[key] for key in npz.files}
-
-
-def router_choices(model: focus_jax.Model, tokens: np.ndarray, block_size: int) -> np.ndarray:
-    """Every layer's chosen experts ``[L, b, t, k]`` in the uncached block-causal forward (-1
-    in dense layers), ascending per token."""
-    decoder = model.module()
-    tokens = jnp.asarray(tokens)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    mask = block_causal_mask(tokens.shape[1], block_size)
-    k = model.config.moe.experts_per_token
-
-    def body(layer, x, _):
-        q, keys, values = layer.qkv(x, positions)
-        attn = dense_attention(q, keys, values, mask)
-        after_attention = x + layer.block.attn.output(attn.astype(x.dtype))
-        if isinstance(layer.feed_forward, MoE):
-            normed = layer.block.post_attn_norm(after_attention)
-            experts = layer.feed_forward.route(normed.reshape(-1, normed.shape[-1]))[0]
-        else:
-            experts = jnp.full((x.shape[0] * x.shape[1], k), -1, jnp.int32)
-        return layer.finish(x, attn), experts.reshape(*x.shape[:2], k)
-
-    _, experts = jax.jit(lambda: decoder.scan_layers(body, decoder.embed_tokens(tokens)))()
-    return np.sort(np.asarray(experts), axis=-1)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -64,7 +39,8 @@ def test_block_causal_logits_match_transformers(case, block_size):
 def test_router_choices_match_transformers_in_every_sparse_layer(case):
     model = load(case)
     expected = reference(case)
-    choices = router_choices(model, expected["tokens"], 4)
+    decoder, tokens = model.module(), jnp.asarray(expected["tokens"])
+    choices = np.asarray(jax.jit(lambda: router_choices(decoder, tokens, 4))())
     sparse = [int(i) for i in expected["sparse_layers"]]
     assert [i for i, kind in enumerate(model.config.layer_kinds) if kind == "sparse"] == sparse
     for layer in sparse:
@@ -88,3 +64,17 @@ def test_bfloat16_moe_forward_stays_close_to_float32():
     a = np.asarray(load("sdar_moe_tiny").logits(tokens, 4))
     b = np.asarray(load("sdar_moe_tiny", "bfloat16").logits(tokens, 4))
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-2
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_converted_orbax_folder_gives_the_same_logits_and_config(case, tmp_path):
+    from focus_jax.checkpoint import convert
+
+    out = convert(FIXTURES / case, tmp_path / "converted", dtype="float32")
+    assert (out / "params").is_dir()
+    converted = focus_jax.load(out, dtype="float32", tokenizer=False)
+    original = load(case)
+    assert converted.config == original.config
+    tokens = reference(case)["tokens"]
+    np.testing.assert_array_equal(np.asarray(converted.logits(tokens, 4)),
+                                  np.asarray(original.logits(tokens, 4)))

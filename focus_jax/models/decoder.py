@@ -263,6 +263,29 @@ def forward_hidden(model: Decoder, tokens: Int[Array, "b t"], positions: Int[Arr
     return model.scan_layers(body, model.embed_tokens(tokens), unroll=unroll)
 
 
+def router_choices(model: Decoder, tokens: Int[Array, "b t"],
+                   block_size: int) -> Int[Array, "layers b t k"]:
+    """Every layer's chosen experts in the uncached block-causal forward, ascending per token
+    (-1 in dense layers): what a mixture's router decides for each token, for tests and
+    analysis."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    mask = block_causal_mask(tokens.shape[1], block_size)
+    k = model.config.moe.experts_per_token
+
+    def body(layer: Layer, x: jax.Array, _: None):
+        q, keys, values = layer.qkv(x, positions)
+        attn = dense_attention(q, keys, values, mask)
+        rows = x.shape[0] * x.shape[1]
+        if isinstance(layer.feed_forward, MoE):
+            normed = layer.block.post_attn_norm(x + layer.block.attn.output(attn.astype(x.dtype)))
+            experts = jnp.sort(layer.feed_forward.route(normed.reshape(rows, -1))[0], axis=-1)
+        else:
+            experts = jnp.full((rows, k), -1, jnp.int32)
+        return layer.finish(x, attn), experts.reshape(*x.shape[:2], k)
+
+    return model.scan_layers(body, model.embed_tokens(tokens))[1]
+
+
 def forward(model: Decoder, tokens: Int[Array, "b t"], block_size: int,
             mesh: Mesh | None = None):
     """Uncached block-causal forward over whole sequences (``mesh``: the parameters' mesh).
