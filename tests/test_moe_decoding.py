@@ -63,7 +63,11 @@ def test_focus_with_huge_alpha_matches_delayed_and_a_small_alpha_evicts(moe_mode
     assert retained < processed
 
 
-def test_long_run_compiles_nothing_after_warmup(moe_model):
+def test_long_run_compiles_nothing_after_warmup():
+    # LLaDA2-style: groups, bias, shared expert and a dense layer (the Qwen3-MoE fixture's
+    # programs differ only in the router).
+    moe_model = tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=LLADA2,
+                           partial_rotary_factor=0.5)
     config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, max_new_tokens=12,
                               alpha=1.0, bucket_ladder=LADDER)
     engine = Engine(moe_model, config, slots=4, cache_len=64)
