@@ -78,11 +78,19 @@ def make_case(out: Path, model_type: str, tied: bool, seed: int) -> None:
     raw["model_type"] = model_type
     (out / "config.json").write_text(json.dumps(raw, indent=2))
 
+    arrays, _ = reference_logits(model, config.vocab_size, seed)
+    np.savez_compressed(out / "reference_logits.npz", **arrays)
+    print(f"wrote {out}")
+
+
+def reference_logits(model, vocab_size: int, seed: int) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+    """Random tokens (seeded) and the model's float32 logits under the block-causal mask of every
+    block size, checked to differ from plain causal ones; and the token ids as a tensor."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, config.vocab_size, size=(BATCH, SEQ_LEN), dtype=np.int64)
+    tokens = rng.integers(0, vocab_size, size=(BATCH, SEQ_LEN), dtype=np.int64)
     arrays = {"tokens": tokens.astype(np.int32)}
+    ids = torch.from_numpy(tokens)
     with torch.no_grad():
-        ids = torch.from_numpy(tokens)
         causal = model(input_ids=ids).logits.numpy()
         for block_size in BLOCK_SIZES:
             mask = block_causal_additive_mask(SEQ_LEN, block_size)
@@ -90,8 +98,7 @@ def make_case(out: Path, model_type: str, tied: bool, seed: int) -> None:
             # The custom mask must have taken effect: inside a block, early positions see later ones.
             assert not np.allclose(logits, causal), "the 4-D mask was ignored"
             arrays[f"logits_b{block_size}"] = logits.astype(np.float32)
-    np.savez_compressed(out / "reference_logits.npz", **arrays)
-    print(f"wrote {out}")
+    return arrays, ids
 
 
 def sparse_layers(config: Qwen3MoeConfig) -> list[int]:
@@ -167,27 +174,18 @@ def make_moe_case(out: Path, model_type: str, tied: bool, norm_topk: bool, layer
     for i in sparse:
         model.model.layers[i].mlp.gate.register_forward_hook(record(i))
 
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, config.vocab_size, size=(BATCH, SEQ_LEN), dtype=np.int64)
-    arrays = {"tokens": tokens.astype(np.int32), "sparse_layers": np.asarray(sparse, dtype=np.int32)}
+    # The hooks record the last forward's choices: the block-size-4 one is run again last.
+    arrays, ids = reference_logits(model, config.vocab_size, seed)
+    arrays["sparse_layers"] = np.asarray(sparse, dtype=np.int32)
     with torch.no_grad():
-        ids = torch.from_numpy(tokens)
-        causal = model(input_ids=ids).logits.numpy()
-        for block_size in BLOCK_SIZES:
-            mask = block_causal_additive_mask(SEQ_LEN, block_size)
-            logits = model(input_ids=ids, attention_mask=mask).logits.numpy()
-            # The custom mask must have taken effect: inside a block, early positions see later ones.
-            assert not np.allclose(logits, causal), "the 4-D mask was ignored"
-            arrays[f"logits_b{block_size}"] = logits.astype(np.float32)
-            if block_size != 4:
-                continue
-            for i in sparse:
-                experts = np.sort(chosen[i].numpy().reshape(BATCH, SEQ_LEN, -1), axis=-1).astype(np.int32)
-                # Routing must vary: across the tokens of each row, and over the whole expert set.
-                for row in experts:
-                    assert len({tuple(e) for e in row}) >= 4, f"layer {i}: routing barely varies"
-                assert set(np.unique(experts)) == set(range(config.num_experts)), f"layer {i}: idle experts"
-                arrays[f"experts_b4_layer{i}"] = experts
+        model(input_ids=ids, attention_mask=block_causal_additive_mask(SEQ_LEN, 4))
+        for i in sparse:
+            experts = np.sort(chosen[i].numpy().reshape(BATCH, SEQ_LEN, -1), axis=-1).astype(np.int32)
+            # Routing must vary: across the tokens of each row, and over the whole expert set.
+            for row in experts:
+                assert len({tuple(e) for e in row}) >= 4, f"layer {i}: routing barely varies"
+            assert set(np.unique(experts)) == set(range(config.num_experts)), f"layer {i}: idle experts"
+            arrays[f"experts_b4_layer{i}"] = experts
 
         # The written checkpoint (per-expert tensors, renamed config key) must reproduce the reference.
         reloaded = Qwen3MoeForCausalLM.from_pretrained(
