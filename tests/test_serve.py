@@ -306,6 +306,8 @@ BAD_REQUESTS = {
     "temperature negative": ("/v1/chat/completions", chat(temperature=-0.5), 400, "temperature"),
     "top_p zero": ("/v1/chat/completions", chat(top_p=0), 400, "top_p"),
     "top_p above one": ("/v1/chat/completions", chat(top_p=1.5), 400, "top_p"),
+    "commit_refresh a string": ("/v1/chat/completions", chat(commit_refresh="true"), 400,
+                                "commit_refresh"),
     "prompt plus max_tokens over the context": ("/v1/chat/completions", chat(max_tokens=CONTEXT),
                                                 400, "max_tokens"),
     "prompt over the context": ("/v1/completions", {"prompt": list(range(16, 16 + CONTEXT))}, 400,
