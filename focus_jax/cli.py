@@ -13,7 +13,14 @@ from pathlib import Path
 
 from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
-from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
+from focus_jax.config import (
+    DEFAULT_THRESHOLD,
+    MODES,
+    UNMASKING_RULES,
+    ConfigError,
+    GenerationConfig,
+    mode_label,
+)
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.engine.core import CPU_SHAPE
@@ -363,7 +370,7 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             yield row, (
-                f"{row['model']} bs{batch} {_mode_label(r.mode, args):8s} "
+                f"{row['model']} bs{batch} {mode_label(r.mode, args.commit_refresh):8s} "
                 f"{r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
@@ -390,7 +397,7 @@ def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                        "step_ms": r.step_ms, "model": str(args.model or args.geometry),
                        "commit_refresh": args.commit_refresh}
                 yield row, (
-                    f"bs{batch} rate {rate:g}/s {_mode_label(mode, args):8s} "
+                    f"bs{batch} rate {rate:g}/s {mode_label(mode, args.commit_refresh):8s} "
                     f"{r.tokens_per_second:8.1f} tok/s  "
                     f"step {r.step_ms:6.2f} ms  admission wait mean {r.admission_wait['mean']:.3f}s"
                     f"  first block p50/p90/p99 {r.first_block['p50']:.2f}/"
@@ -398,11 +405,6 @@ def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                     f"{1000 * r.per_token['p50']:.1f} ms  latency p50/p90/p99 "
                     f"{r.latency['p50']:.1f}/{r.latency['p90']:.1f}/{r.latency['p99']:.1f}s  "
                     f"compiles {r.compilations}")
-
-
-def _mode_label(mode: str, args: argparse.Namespace) -> str:
-    """The mode as a bench line names it: ``+ refresh`` with ``--commit-refresh``."""
-    return f"{mode} + refresh" if args.commit_refresh else mode
 
 
 def _positive_integers(option: str, text: str) -> list[int]:

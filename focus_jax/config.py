@@ -47,6 +47,11 @@ Mode = Literal["baseline", "delayed", "focus"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
 
 
+def mode_label(mode: str, commit_refresh: bool) -> str:
+    """A mode as reports name it: ``+ refresh`` where blocks are refreshed at their commit."""
+    return f"{mode} + refresh" if commit_refresh else mode
+
+
 class ConfigError(ValueError):
     """A configuration value that focus_jax cannot use; the message says what to change."""
 

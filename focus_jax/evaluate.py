@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from focus_jax import tasks
-from focus_jax.config import ConfigError, GenerationConfig, check_integer
+from focus_jax.config import ConfigError, GenerationConfig, check_integer, mode_label
 from focus_jax.engine import Engine, cache_length, run_to_completion, token_layer_split
 from focus_jax.model import Model
 from focus_jax.prompts import encode_prompt
@@ -62,7 +62,7 @@ class ModeReport:
     @property
     def label(self) -> str:
         """The mode, and ``+ refresh`` where blocks were refreshed at commit."""
-        return f"{self.mode} + refresh" if self.commit_refresh else self.mode
+        return mode_label(self.mode, self.commit_refresh)
 
     @property
     def overall(self) -> Counts:
