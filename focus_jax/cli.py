@@ -13,11 +13,18 @@ from pathlib import Path
 
 from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
-from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
+from focus_jax.config import (
+    DEFAULT_THRESHOLD,
+    MODES,
+    UNMASKING_RULES,
+    ConfigError,
+    GenerationConfig,
+    mode_label,
+)
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.engine.core import CPU_SHAPE
-from focus_jax.tasks import WORKED
+from focus_jax.tasks import HELD_OUT_SEED, WORKED
 
 BUNDLED_MODEL = bundled.MODEL
 GEOMETRY_NAMES = ("sdar-1.7b", "sdar-8b", "sdar-30b-a3b", "llada2-mini")
@@ -39,6 +46,7 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
                         help="confidence threshold (default: " + ", ".join(
                             f"{m} {t}" for m, t in DEFAULT_THRESHOLD.items()) + ")")
     parser.add_argument("--alpha", type=float, default=1.5, help="FOCUS budget factor")
+    _add_commit_refresh_option(parser)
     parser.add_argument("--block-size", type=int, default=None,
                         help="block size (default: the model's)")
     parser.add_argument("--max-new-tokens", type=int, default=256,
@@ -66,6 +74,16 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
                         help="print decoding and compilation statistics")
     _add_compile_cache_option(parser)
     _add_distribution_options(parser)
+
+
+def _add_commit_refresh_option(parser: argparse.ArgumentParser) -> None:
+    default = "on" if GenerationConfig.commit_refresh else "off"
+    parser.add_argument("--commit-refresh", action=argparse.BooleanOptionalAction,
+                        default=GenerationConfig.commit_refresh,
+                        help="delayed and focus: at each block's commit, run its whole block "
+                             "through every layer once more with its final tokens, replacing "
+                             f"the delayed cache's stale KV (one extra pass per block; default: "
+                             f"{default})")
 
 
 def _add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +154,8 @@ def _mesh(args: argparse.Namespace):
 def _generation_config(args: argparse.Namespace) -> GenerationConfig:
     return GenerationConfig(
         mode=args.mode, block_size=args.block_size, threshold=args.threshold, alpha=args.alpha,
-        unmasking=args.unmasking, denoising_steps=args.denoising_steps,
+        commit_refresh=args.commit_refresh, unmasking=args.unmasking,
+        denoising_steps=args.denoising_steps,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, max_batch=args.max_batch,
         **_ladder(args.bucket_ladder))
@@ -277,14 +296,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     modes = _modes(args.modes)
     _compile_cache(args)
     model = load_model(args.model, args.dtype)
-    reports = evaluate.evaluate(model, tasks.held_out(args.per_task, tasks=names),
+    reports = evaluate.evaluate(model, tasks.held_out(args.per_task, args.seed, tasks=names),
                                 modes, max_batch=args.max_batch,
                                 max_new_tokens=args.max_new_tokens, alpha=args.alpha,
-                                progress=True)
+                                commit_refresh=args.commit_refresh, progress=True)
     table = evaluate.markdown(reports)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"model": str(args.model or BUNDLED_MODEL), "per_task": args.per_task,
+             "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+             "modes": [r.summary() for r in reports]}, indent=1) + "\n")
     return 0
 
 
@@ -304,7 +328,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modes = _modes(args.modes)
     _require_positive(args, "requests_per_slot", "max_new_tokens")
     ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round,
-              "kernels": args.kernels}
+              "kernels": args.kernels, "commit_refresh": args.commit_refresh}
     GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
     _check_kernels(args.kernels)
     rates = _positive_rates(args.request_rate) if args.request_rate else None
@@ -342,10 +366,12 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                    "peak_flops": peak,
                    "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
                    "mesh": args.mesh, "kernels": args.kernels,
+                   "commit_refresh": args.commit_refresh,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             yield row, (
-                f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                f"{row['model']} bs{batch} {mode_label(r.mode, args.commit_refresh):8s} "
+                f"{r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
@@ -368,9 +394,11 @@ def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                 r = bench.run_open_loop(model, mode, batch, batch * args.requests_per_slot,
                                         args.max_new_tokens, rate, mesh=mesh, **generation)
                 row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
-                       "step_ms": r.step_ms, "model": str(args.model or args.geometry)}
+                       "step_ms": r.step_ms, "model": str(args.model or args.geometry),
+                       "commit_refresh": args.commit_refresh}
                 yield row, (
-                    f"bs{batch} rate {rate:g}/s {mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                    f"bs{batch} rate {rate:g}/s {mode_label(mode, args.commit_refresh):8s} "
+                    f"{r.tokens_per_second:8.1f} tok/s  "
                     f"step {r.step_ms:6.2f} ms  admission wait mean {r.admission_wait['mean']:.3f}s"
                     f"  first block p50/p90/p99 {r.first_block['p50']:.2f}/"
                     f"{r.first_block['p90']:.2f}/{r.first_block['p99']:.2f}s  per token p50 "
@@ -522,6 +550,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
                           f"max_position_embeddings), got {context}")
     config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder),
+                              commit_refresh=args.commit_refresh,
                               interruptible_rounds=args.round_interrupts,
                               free_slot_round_steps=_free_slot_round_steps(args))
     engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
@@ -647,12 +676,19 @@ def _add_eval_command(sub: argparse._SubParsersAction) -> None:
                     help="comma-separated task names (focus_jax.tasks.TASKS; default: the worked "
                          "suite the bundled model was trained on)")
     ev.add_argument("--modes", default="baseline,delayed,focus", help="comma-separated modes")
+    ev.add_argument("--seed", type=int, default=HELD_OUT_SEED,
+                    help="draws the held-out questions (another seed: other questions, all "
+                         "held out from training)")
     ev.add_argument("--alpha", type=float, default=1.5, help="FOCUS budget factor")
+    _add_commit_refresh_option(ev)
     ev.add_argument("--max-batch", type=int, default=64, help="slots decoded together")
     ev.add_argument("--max-new-tokens", type=int, default=128,
                     help="the worked answers run to about 100 tokens")
     ev.add_argument("--markdown",
                     help="also write the tables to this file (default: print only)")
+    ev.add_argument("--json",
+                    help="also write every mode's numbers, per task and overall, to this file "
+                         "(default: print only)")
     _add_compile_cache_option(ev)
     ev.set_defaults(func=cmd_eval)
 
@@ -687,6 +723,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--requests-per-slot", type=int, default=1, help="requests per slot and run")
     be.add_argument("--max-new-tokens", type=int, default=1024, help="generated tokens per request")
     be.add_argument("--modes", default="baseline,delayed,focus", help="comma-separated modes")
+    _add_commit_refresh_option(be)
     be.add_argument("--bucket-ladder", default=None,
                     help="compaction bucket sizes as fractions of slots x block, comma-separated "
                          "(default: the platform's)")
@@ -757,6 +794,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* requests (default: none)")
     srv.add_argument("--mode", choices=MODES, default="focus", help="decoding mode")
+    _add_commit_refresh_option(srv)
     srv.add_argument("--max-batch", type=int, default=None,
                      help=f"slots decoded together (default: {SERVE_CPU_SHAPE[0]} on a CPU, "
                           f"{SERVE_SLOTS} elsewhere)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64)
 MODES = ("baseline", "delayed", "focus")
@@ -44,6 +45,11 @@ one row). At 256 slots x block 32 the smallest bucket is 64 rows either way."""
 
 Mode = Literal["baseline", "delayed", "focus"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
+
+
+def mode_label(mode: str, commit_refresh: bool) -> str:
+    """A mode as reports name it: ``+ refresh`` where blocks are refreshed at their commit."""
+    return f"{mode} + refresh" if commit_refresh else mode
 
 
 class ConfigError(ValueError):
@@ -285,6 +291,14 @@ def check_integer(name: str, value: Any, minimum: int | None = None) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a Python bool if it is one (Python or NumPy), else ``ConfigError`` naming
+    ``name``: a string such as ``"false"`` would be true."""
+    if not isinstance(value, bool | np.bool_):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _is_finite(value: Any) -> bool:
     """A finite real number (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -318,6 +332,12 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    commit_refresh: bool = False
+    """At each block's commit step, run all its slots through every layer once more with their
+    final tokens, so that the block's KV equals what ``baseline`` holds instead of the delayed
+    cache's, frozen while slots to their right were still masks (``delayed`` and ``focus``; one
+    extra pass of B tokens per block, never evicted; ``baseline`` refreshes every step anyway).
+    A per-request setting (``SamplingParams``): it changes no compiled program."""
     stop_token_ids: tuple[int, ...] | None = None
     """None: the tokenizer's EOS (and the model's configured stop ids)."""
     max_batch: int | None = None
@@ -367,6 +387,8 @@ class GenerationConfig:
         self._integer("top_k", minimum=0)
         self._number("top_p", 0.0, 1.0, low_open=True)
         self._integer("seed")
+        object.__setattr__(self, "commit_refresh", check_bool("commit_refresh",
+                                                              self.commit_refresh))
         self._integer("max_batch", minimum=1, optional=True)
         self._integer("max_cache_len", minimum=1, optional=True)
         self._integer("steps_per_round", minimum=1)

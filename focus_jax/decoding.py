@@ -4,8 +4,9 @@ Everything here is a pure function of pytrees, compiled once per shape. The step
 (SPEC_FOCUS sections 3-6) runs every slot's active block in one call:
 
 1. **processed** tokens (the whole block in ``baseline``; the not-yet-cached slots with the
-   delayed KV cache) are compacted into the smallest bucket that holds them and run through
-   layer 0 and the first half of layer 1 (their KV written in both);
+   delayed KV cache, or the whole block at a commit step with ``commit_refresh``) are
+   compacted into the smallest bucket that holds them and run through layer 0 and the first
+   half of layer 1 (their KV written in both);
 2. in ``focus`` mode, the change of masked-token importance between layers 0 and 1 selects the
    **retained** tokens; otherwise every processed token is retained;
 3. retained tokens are compacted again and run through the rest of layer 1, layers ``>= 2`` and
@@ -86,6 +87,9 @@ class SlotParams:
     stop_ids: Int[Array, "s k"]
     """Stop token ids, padded with -1 (which no token equals)."""
     seed: Int[Array, "s"]
+    commit_refresh: Bool[Array, "s"]
+    """Run the whole block once more, with its final tokens, at its commit step (delayed KV
+    cache; ``policies.DelayedCache``)."""
 
     @classmethod
     def empty(cls, slots: int) -> SlotParams:
@@ -95,7 +99,7 @@ class SlotParams:
         return cls(max_new=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
                    top_p=zeros(jnp.float32) + 1, threshold=zeros(jnp.float32) + 1,
                    alpha=zeros(jnp.float32) + 1, stop_ids=jnp.full((slots, MAX_STOP_IDS), -1),
-                   seed=zeros(jnp.uint32))
+                   seed=zeros(jnp.uint32), commit_refresh=zeros(bool))
 
 
 @jax.tree_util.register_dataclass
@@ -262,7 +266,8 @@ def _step(model: Decoder, state: DecodeState,
     decoding = state.live & masked.any(axis=-1)
     committing = state.live & ~masked.any(axis=-1)
 
-    processed = policies.processing.processed(state.live, state.slot_state)
+    processed = policies.processing.processed(state.live, state.slot_state,
+                                              state.params.commit_refresh)
     layers = _Layers(model, settings, state)
     processed_rows = Compaction(processed.reshape(flat), settings.processed_ladder)
     x, cache, first_layers = layers.first_two(processed_rows, state.cache,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from focus_jax import tasks
-from focus_jax.config import ConfigError, GenerationConfig, check_integer
+from focus_jax.config import ConfigError, GenerationConfig, check_integer, mode_label
 from focus_jax.engine import Engine, cache_length, run_to_completion, token_layer_split
 from focus_jax.model import Model
 from focus_jax.prompts import encode_prompt
@@ -57,6 +57,12 @@ class ModeReport:
     threshold: float
     num_layers: int
     tasks: dict[str, Counts]
+    commit_refresh: bool = False
+
+    @property
+    def label(self) -> str:
+        """The mode, and ``+ refresh`` where blocks were refreshed at commit."""
+        return mode_label(self.mode, self.commit_refresh)
 
     @property
     def overall(self) -> Counts:
@@ -73,9 +79,11 @@ class ModeReport:
             early, late = c.token_layers_per_token(self.num_layers)
             return {"exact_match": c.exact_match, "decoded_per_step": c.decoded_per_step,
                     "early_token_layers_per_token": early, "late_token_layers_per_token": late,
+                    "token_layers_per_token": early + late,
                     "generated_tokens": c.generated_tokens, "wall_seconds": c.wall_seconds}
 
         return {"mode": self.mode, "threshold": self.threshold,
+                "commit_refresh": self.commit_refresh,
                 "tasks": {t: numbers(c) for t, c in self.tasks.items()},
                 "overall": {**numbers(self.overall), "exact_match": self.average_exact_match}}
 
@@ -83,6 +91,7 @@ class ModeReport:
 def evaluate(model: Model, examples: Sequence[tasks.Example],
              modes: Sequence[str] = ("baseline", "delayed", "focus"), *, max_batch: int = 64,
              max_new_tokens: int = 32, alpha: float = 1.5,
+             commit_refresh: bool = GenerationConfig.commit_refresh,
              progress: bool = False) -> list[ModeReport]:
     """Decode every example in every mode (greedy, default thresholds) and score exact match.
 
@@ -97,7 +106,8 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
     check_integer("max_batch", max_batch, minimum=1)
     block = model.config.block_size or 8
     configs = [GenerationConfig(mode=mode, block_size=block, alpha=alpha,
-                                max_new_tokens=max_new_tokens) for mode in modes]
+                                max_new_tokens=max_new_tokens, commit_refresh=commit_refresh)
+               for mode in modes]
     prompts = [encode_prompt(model, ex.question) for ex in examples]
     by_task: dict[str, list[int]] = {}
     for i, example in enumerate(examples):
@@ -125,7 +135,7 @@ def evaluate(model: Model, examples: Sequence[tasks.Example],
                 c.retained_tokens += result.stats.retained_tokens
             counts[task] = c
         reports.append(ModeReport(config.mode, config.resolved_threshold, model.config.num_layers,
-                                  counts))
+                                  counts, config.commit_refresh))
     return reports
 
 
@@ -136,7 +146,7 @@ def markdown(reports: Sequence[ModeReport]) -> str:
     lines = [head, "|" + "---|" * (len(task_names) + 2)]
     for r in reports:
         cells = " | ".join(f"{100 * r.tasks[t].exact_match:.1f}" for t in task_names)
-        lines.append(f"| {r.mode} ({r.threshold}) | {cells} | {100 * r.average_exact_match:.1f} |")
+        lines.append(f"| {r.label} ({r.threshold}) | {cells} | {100 * r.average_exact_match:.1f} |")
 
     def compute_row(label: str, c: Counts, layers: int) -> str:
         early, late = c.token_layers_per_token(layers)
@@ -146,8 +156,8 @@ def markdown(reports: Sequence[ModeReport]) -> str:
     columns = (" | tokens decoded per step | token-layers / generated token (layers 0-1 + >= 2 "
                "= total) | generated tokens | wall time (s) |")
     lines += ["", "| mode" + columns, "|---|---|---|---|---|"]
-    lines += [compute_row(r.mode, r.overall, r.num_layers) for r in reports]
+    lines += [compute_row(r.label, r.overall, r.num_layers) for r in reports]
     lines += ["", "| task, mode" + columns, "|---|---|---|---|---|"]
-    lines += [compute_row(f"{t}, {r.mode}", r.tasks[t], r.num_layers)
+    lines += [compute_row(f"{t}, {r.label}", r.tasks[t], r.num_layers)
               for t in task_names for r in reports]
     return "\n".join(lines)

@@ -2,16 +2,18 @@
 
 - **processed-token policy** (SPEC_FOCUS 4-5): which slots of the active block run layers 0-1
   this step, and how slot states settle afterwards: :class:`WholeBlock` (``baseline``) or
-  :class:`DelayedCache` (``delayed`` and ``focus``);
+  :class:`DelayedCache` (``delayed`` and ``focus``, optionally refreshing a block at its commit
+  step);
 - **eviction policy** (SPEC_FOCUS 6): which processed tokens go on through layers >= 2:
   :class:`NoEviction` or :class:`FocusEviction`;
 - **unmasking rule** (SPEC_FOCUS 3.2): :class:`UnmaskingRule`;
 - **sampler**: the token a row gets and its confidence, from its own slot's temperature, top-k,
   top-p and seed (:class:`Sampler`).
 
-Everything a request may set for itself (temperature, top-k, top-p, threshold, alpha, seed)
-arrives as per-slot arrays of the decode state, so one compiled step serves every mix of them;
-only the choice of policies (the mode, the unmasking rule) changes the program.
+Everything a request may set for itself (temperature, top-k, top-p, threshold, alpha, seed,
+commit refresh) arrives as per-slot arrays of the decode state, so one compiled step serves
+every mix of them; only the choice of policies (the mode, the unmasking rule) changes the
+program.
 """
 
 from __future__ import annotations
@@ -43,9 +45,17 @@ def kernel(op: Callable, sharded_op: Callable, impl: str | None, mesh: Mesh | No
 
 
 class ProcessedTokens(Protocol):
-    """Which slots of the active block run layers 0-1, and how slot states settle after."""
+    """Which slots of the active block run layers 0-1, and how slot states settle after.
 
-    def processed(self, live: Bool[Array, "s"], slot_state: Int[Array, "s b"]) -> Bool[Array, "s b"]:
+    ``commit_refresh`` is each slot's choice (a per-request setting, not a compiled one): at
+    the commit step of its block (no slot masked), the whole block runs once more with its final
+    tokens, so that the block's KV no longer holds what its slots computed while their right
+    neighbours were still masks. Eviction never applies to it: no slot of a committing block is
+    masked, and only masked tokens are evicted.
+    """
+
+    def processed(self, live: Bool[Array, "s"], slot_state: Int[Array, "s b"],
+                  commit_refresh: Bool[Array, "s"]) -> Bool[Array, "s b"]:
         ...
 
     def settle(self, slot_state: Int[Array, "s b"], before: Int[Array, "s b"],
@@ -55,9 +65,11 @@ class ProcessedTokens(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class WholeBlock:
-    """``baseline``: every slot of a live block, every step; its KV is rewritten each step."""
+    """``baseline``: every slot of a live block, every step; its KV is rewritten each step (so
+    every commit step refreshes the block, whatever ``commit_refresh`` says)."""
 
-    def processed(self, live: Bool[Array, "s"], slot_state: Int[Array, "s b"]) -> Bool[Array, "s b"]:
+    def processed(self, live: Bool[Array, "s"], slot_state: Int[Array, "s b"],
+                  commit_refresh: Bool[Array, "s"]) -> Bool[Array, "s b"]:
         return jnp.broadcast_to(live[:, None], slot_state.shape)
 
     def settle(self, slot_state: Int[Array, "s b"], before: Int[Array, "s b"],
@@ -67,10 +79,13 @@ class WholeBlock:
 
 @dataclasses.dataclass(frozen=True)
 class DelayedCache:
-    """The delayed KV cache (SPEC 5): only slots whose KV is not final run."""
+    """The delayed KV cache (SPEC 5): only slots whose KV is not final run; at the commit step,
+    every slot of the block where the slot's request asks for ``commit_refresh``."""
 
-    def processed(self, live: Bool[Array, "s"], slot_state: Int[Array, "s b"]) -> Bool[Array, "s b"]:
-        return live[:, None] & (slot_state != CACHED)
+    def processed(self, live: Bool[Array, "s"], slot_state: Int[Array, "s b"],
+                  commit_refresh: Bool[Array, "s"]) -> Bool[Array, "s b"]:
+        refreshing = commit_refresh & ~(slot_state == MASKED).any(axis=-1)
+        return live[:, None] & ((slot_state != CACHED) | refreshing[:, None])
 
     def settle(self, slot_state: Int[Array, "s b"], before: Int[Array, "s b"],
                processed: Bool[Array, "s b"]) -> Int[Array, "s b"]:

@@ -19,6 +19,9 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 NAMES = ("Ana", "Ben", "Cai", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kim", "Leo")
 ITEMS = ("apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles")
 HELD_OUT_PERCENT = 10
+HELD_OUT_SEED = 1_000_003
+"""The seed of the held-out questions that the evaluations report (any seed draws held-out
+questions only: the split is by question)."""
 ANSWER_MARK = "####"
 
 
@@ -225,7 +228,7 @@ def training_stream(seed: int = 0, tasks: tuple[str, ...] = SUITE) -> Iterator[E
         index += 1
 
 
-def held_out(per_task: int, seed: int = 1_000_003,
+def held_out(per_task: int, seed: int = HELD_OUT_SEED,
              tasks: tuple[str, ...] = SUITE) -> list[Example]:
     """``per_task`` held-out examples of each task (distinct questions, never trained on)."""
     out = []

@@ -73,6 +73,51 @@ def test_eval_reports_every_task_and_mode_and_writes_markdown(model_dir, tmp_pat
         assert row in table
 
 
+def test_eval_draws_questions_with_its_seed_and_writes_json_with_the_commit_refresh(
+        model_dir, tmp_path, capsys, monkeypatch):
+    import json
+
+    from focus_jax import evaluate, tasks
+
+    seen = {}
+
+    def record(model, examples, modes, **settings):
+        seen.update(examples=examples, modes=modes, **settings)
+        counts = evaluate.Counts(examples=2, correct=1, generated_tokens=4, processed_tokens=6,
+                                 retained_tokens=2)
+        return [evaluate.ModeReport("focus", 0.8, 4, {"copy": counts}, settings["commit_refresh"])]
+
+    monkeypatch.setattr(evaluate, "evaluate", record)
+    written = tmp_path / "eval.json"
+    code = main(["eval", "--model", str(model_dir), "--per-task", "2", "--tasks", "copy",
+                 "--modes", "focus", "--seed", "7", "--commit-refresh", "--json", str(written)])
+    out, _ = capsys.readouterr()
+    questions = [e.question for e in seen["examples"]]
+    assert code == 0 and seen["commit_refresh"] is True and seen["modes"] == ["focus"]
+    assert questions == [e.question for e in tasks.held_out(2, 7, tasks=("copy",))]
+    assert questions != [e.question for e in tasks.held_out(2, tasks=("copy",))]
+    assert "| focus + refresh (0.8) |" in out
+    report = json.loads(written.read_text())
+    assert report["seed"] == 7 and report["per_task"] == 2
+    (mode,) = report["modes"]
+    assert mode["mode"] == "focus" and mode["commit_refresh"] is True
+    # 6 token-steps through layers 0-1 and 2 through the other 2 layers, per 4 tokens.
+    assert mode["overall"]["token_layers_per_token"] == (2 * 6 + 2 * 2) / 4
+
+
+def test_generate_takes_the_commit_refresh_and_otherwise_the_configs_default():
+    from focus_jax import GenerationConfig
+    from focus_jax.cli import _generation_config, build_parser
+
+    def config(*options):
+        return _generation_config(build_parser().parse_args(["generate", "--prompt", "x",
+                                                             *options]))
+
+    assert config().commit_refresh is GenerationConfig.commit_refresh
+    assert config("--commit-refresh").commit_refresh is True
+    assert config("--no-commit-refresh").commit_refresh is False
+
+
 def test_eval_unknown_task_is_an_error_message(model_dir, capsys):
     code = main(["eval", "--model", str(model_dir), "--tasks", "copy,nope"])
     _, err = capsys.readouterr()

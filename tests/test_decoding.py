@@ -1,8 +1,15 @@
-"""Cached block-diffusion decoding (mode ``baseline``) against the uncached reference decoder."""
+"""Cached block-diffusion decoding (modes ``baseline`` and ``delayed``, with and without the
+commit refresh) against the uncached reference decoder."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from focus_jax import GenerationConfig, generate
+from focus_jax.compilation import count_compilations
+from focus_jax.engine import Engine, SamplingParams, run_to_completion
+from focus_jax.models.decoder import forward
+from focus_jax.policies import CACHED, MASKED, UNMASKED, DelayedCache, WholeBlock
 from focus_jax.testing import random_prompts
 from tests.reference_decoder import reference_decode
 
@@ -37,6 +44,91 @@ def test_cached_baseline_matches_uncached_reference(model, block_size, rule):
         all_steps += steps
     if rule == "low_confidence_dynamic":  # both the threshold and the fallback were exercised
         assert max(all_steps) > 1 and min(all_steps) == 1
+
+
+# The delayed cache's tests share one shape (block 4, 8 slots, 32 positions): one compile.
+DELAYED = GenerationConfig(mode="delayed", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
+                           max_new_tokens=12, stop_token_ids=())
+
+
+def delayed_reference(model, prompt, commit_refresh):
+    return reference_decode(model, prompt, 4, threshold=THRESHOLD, max_new_tokens=12,
+                            mode="delayed", commit_refresh=commit_refresh)
+
+
+@pytest.mark.parametrize("commit_refresh", [False, True])
+def test_cached_delayed_cache_matches_uncached_reference(model, commit_refresh):
+    prompts = prompts_for(4)
+    results = generate(model, prompts, DELAYED.replace(commit_refresh=commit_refresh))
+    for prompt, result in zip(prompts, results, strict=True):
+        expected, steps = delayed_reference(model, prompt, commit_refresh)
+        assert result.token_ids == expected
+        assert result.stats.decoded_per_step == steps
+
+
+def test_commit_refresh_is_chosen_per_request_and_compiles_nothing_after_warmup(model):
+    """Requests with and without the refresh share one batch and one compiled program; each
+    decodes what the reference decodes with its own setting, and the setting matters."""
+    prompts = prompts_for(4)[:4]
+    engine = Engine(model, DELAYED, slots=8, cache_len=32)
+    engine.warmup()
+    with count_compilations() as serving:
+        rids = {(i, refresh): engine.add_request(prompt, SamplingParams(commit_refresh=refresh))
+                for i, prompt in enumerate(prompts) for refresh in (True, False)}
+        results = run_to_completion(engine)
+    assert serving.programs == 0
+    for (i, refresh), rid in rids.items():
+        assert results[rid].token_ids == delayed_reference(model, prompts[i], refresh)[0]
+    assert any(results[rids[i, True]].token_ids != results[rids[i, False]].token_ids
+               for i in range(len(prompts)))
+
+
+def test_commit_refresh_leaves_committed_blocks_with_the_kv_of_an_uncached_forward(model):
+    """After a commit with the refresh, every committed position holds the keys and values of
+    the uncached block-causal forward over the slot's tokens: what ``baseline``, which rewrites
+    its block every step, holds (its cached decoding equals the uncached reference above).
+    Without the refresh the delayed cache keeps KV computed while later slots were masks."""
+    prompts = random_prompts(8, 128, 2, 7, seed=31)
+    engine = Engine(model, DELAYED, slots=8, cache_len=32)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(commit_refresh=i % 2 == 0))
+    run_to_completion(engine)
+    state = engine.state
+    for slot in range(8):
+        history, prompt_len = int(state.history[slot]), int(state.prompt_len[slot])
+        prefilled = prompt_len // 4 * 4
+        assert history >= prefilled + 8  # two blocks committed after the prompt's
+        _, kv = forward(model.module(), state.sequence[slot:slot + 1, :history], 4)
+        # Per position: the largest difference over layers, heads and features, K and V.
+        difference = np.max([np.abs(np.asarray(cached[:, slot, :history]) - np.asarray(want[:, 0]))
+                             .max(axis=(0, 2, 3)) for cached, want in zip(
+                                 (state.cache.k, state.cache.v), kv, strict=True)], axis=0)
+        # Keys and values reach 12 in magnitude; float32 rounding, which differs between the
+        # cached and the uncached attention, moves them by up to 1e-4 (baseline's too).
+        assert difference[:prefilled].max(initial=0) < 2e-4
+        if state.params.commit_refresh[slot]:
+            assert difference[prefilled:].max() < 2e-4
+        else:  # stale in layers >= 1, by more than 10 here
+            assert difference[prefilled:].max() > 1.0
+
+
+def test_the_delayed_cache_refreshes_a_whole_block_at_its_commit_step_only_when_asked():
+    slot_state = jnp.asarray([
+        [CACHED, CACHED, UNMASKED, UNMASKED],  # commit step (nothing masked)
+        [CACHED, UNMASKED, MASKED, MASKED],    # denoising step
+        [CACHED, CACHED, CACHED, UNMASKED],    # commit step, slot not live
+    ])
+    live = jnp.asarray([True, True, False])
+    policy = DelayedCache()
+    plain = policy.processed(live, slot_state, jnp.zeros(3, bool))
+    refreshed = policy.processed(live, slot_state, jnp.ones(3, bool))
+    assert np.asarray(plain).tolist() == [[False, False, True, True], [False, True, True, True],
+                                          [False] * 4]
+    assert np.asarray(refreshed).tolist() == [[True] * 4, [False, True, True, True], [False] * 4]
+    # baseline runs every live slot's whole block, every step: the refresh changes nothing.
+    whole = WholeBlock()
+    assert (np.asarray(whole.processed(live, slot_state, jnp.zeros(3, bool)))
+            == np.asarray(whole.processed(live, slot_state, jnp.ones(3, bool)))).all()
 
 
 def test_stop_token_ends_the_output_before_it(model):

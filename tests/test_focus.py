@@ -103,10 +103,12 @@ CONFIG = dict(block_size=8, threshold=0.04, max_new_tokens=24, stop_token_ids=()
               bucket_ladder=(0.25, 1.0))
 
 
-def test_focus_with_huge_alpha_matches_delayed(model):
+@pytest.mark.parametrize("commit_refresh", [False, True])
+def test_focus_with_huge_alpha_matches_delayed(model, commit_refresh):
     prompts = random_prompts(5, 128, 2, 20, seed=11)
-    delayed = generate(model, prompts, GenerationConfig(mode="delayed", **CONFIG))
-    focus = generate(model, prompts, GenerationConfig(mode="focus", alpha=8.0, **CONFIG))
+    config = dict(CONFIG, commit_refresh=commit_refresh)
+    delayed = generate(model, prompts, GenerationConfig(mode="delayed", **config))
+    focus = generate(model, prompts, GenerationConfig(mode="focus", alpha=8.0, **config))
     for a, b in zip(delayed, focus, strict=True):
         assert a.token_ids == b.token_ids
         assert a.stats.processed_per_step == b.stats.processed_per_step
@@ -154,6 +156,21 @@ def test_focus_skips_layers_for_evicted_tokens(model):
     processed = sum(sum(r.stats.processed_per_step) for r in results)
     retained = sum(sum(r.stats.retained_per_step) for r in results)
     assert retained < processed
+
+
+def test_the_commit_refresh_runs_every_slot_of_the_block_through_every_layer(model):
+    """With FOCUS evicting, a commit step with the refresh still runs all B slots through every
+    layer: eviction applies to masked tokens only, and a committing block has none."""
+    prompts = random_prompts(4, 128, 2, 20, seed=14)
+    config = GenerationConfig(mode="focus", alpha=1.0, commit_refresh=True, **CONFIG)
+    results = generate(model, prompts, config)
+    for r in results:
+        commits = r.stats.steps - r.stats.denoising_steps
+        assert commits >= 2
+        assert r.stats.processed_tokens - sum(r.stats.processed_per_step) == 8 * commits
+        assert r.stats.retained_tokens - sum(r.stats.retained_per_step) == 8 * commits
+    assert any(sum(r.stats.retained_per_step) < sum(r.stats.processed_per_step)
+               for r in results)  # the denoising steps evicted
 
 
 @pytest.mark.parametrize("live", [0, 1, 3, 16])

@@ -46,6 +46,7 @@ def one_line_error(code, err, *needles):
     ("max_new_tokens", 2.5), ("max_new_tokens", True), ("block_size", 32.0), ("top_k", 1.5),
     ("seed", 0.5), ("max_batch", 0), ("denoising_steps", 0.5), ("stop_token_ids", (1.5,)),
     ("stop_token_ids", "ab"), ("bucket_ladder", (0.5, math.nan, 1.0)),
+    ("commit_refresh", "false"), ("commit_refresh", 1),
 ])
 def test_settings_that_would_be_truncated_or_are_nan_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=f"^{field} must be"):
@@ -202,9 +203,10 @@ def test_bench_hands_its_kernels_and_ladder_to_every_run(model_dir, capsys, monk
     monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
     monkeypatch.setattr(bench, "run", lambda *args, **kwargs: seen.append(kwargs) or [])
     code, _, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1,2", "--kernels",
-                          "xla", "--bucket-ladder", "0.5,1"], capsys)
+                          "xla", "--bucket-ladder", "0.5,1", "--commit-refresh"], capsys)
     assert code == 0 and len(seen) == 2
-    assert all(k["kernels"] == "xla" and k["bucket_ladder"] == (0.5, 1.0) for k in seen)
+    assert all(k["kernels"] == "xla" and k["bucket_ladder"] == (0.5, 1.0)
+               and k["commit_refresh"] is True for k in seen)
 
 
 def free_port() -> int:

@@ -132,6 +132,8 @@ def test_bad_requests_are_refused_with_a_message(model):
         SamplingParams(temperature=float("nan"))
     with pytest.raises(RequestError, match="stop token ids"):
         SamplingParams(stop_token_ids=tuple(range(9)))
+    with pytest.raises(RequestError, match="commit_refresh must be true or false, got 'yes'"):
+        SamplingParams(commit_refresh="yes")
 
 
 # ------------------------------------------------------------------------------- AsyncEngine

@@ -255,6 +255,14 @@ def test_sampling_parameters_reach_the_engine(server):
                                                                   alpha=2.0)  # top-1 = greedy
 
 
+def test_a_bodys_commit_refresh_becomes_its_requests_and_is_otherwise_the_servers():
+    from focus_jax.serve.schemas import RequestBody
+
+    assert RequestBody(commit_refresh=True).sampling_params(8).commit_refresh is True
+    assert RequestBody(commit_refresh=False).sampling_params(8).commit_refresh is False
+    assert RequestBody().sampling_params(8).commit_refresh is None  # the engine's default
+
+
 def test_concurrent_clients_each_get_their_own_answer_and_metrics_agree(short_reference, server):
     finished_before = sum(server.metric("focus_jax_requests_total", outcome=o)
                           for o in ("stop", "length"))
@@ -306,6 +314,8 @@ BAD_REQUESTS = {
     "temperature negative": ("/v1/chat/completions", chat(temperature=-0.5), 400, "temperature"),
     "top_p zero": ("/v1/chat/completions", chat(top_p=0), 400, "top_p"),
     "top_p above one": ("/v1/chat/completions", chat(top_p=1.5), 400, "top_p"),
+    "commit_refresh a string": ("/v1/chat/completions", chat(commit_refresh="true"), 400,
+                                "commit_refresh"),
     "prompt plus max_tokens over the context": ("/v1/chat/completions", chat(max_tokens=CONTEXT),
                                                 400, "max_tokens"),
     "prompt over the context": ("/v1/completions", {"prompt": list(range(16, 16 + CONTEXT))}, 400,

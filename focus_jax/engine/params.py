@@ -31,6 +31,12 @@ def _real(name: str, value: object) -> float:
     return float(value)
 
 
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool | np.bool_):  # "false" or 0 would read as a choice
+        raise RequestError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. ``None`` fields take the engine's defaults (its
@@ -54,6 +60,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     """At most 8 (None: the model's EOS ids); the stop token itself is not returned."""
     seed: int | None = None
+    commit_refresh: bool | None = None
+    """Refresh each block's KV at its commit step (``GenerationConfig.commit_refresh``)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None:
@@ -70,6 +78,9 @@ class SamplingParams:
             raise RequestError(f"alpha must be > 0, got {self.alpha}")
         if self.seed is not None and not 0 <= _integer("seed", self.seed, 0) < 2**32:
             raise RequestError(f"seed must lie in [0, 2**32), got {self.seed}")
+        if self.commit_refresh is not None:
+            object.__setattr__(self, "commit_refresh", _boolean("commit_refresh",
+                                                                self.commit_refresh))
         if self.stop_token_ids is not None:
             ids = tuple(_integer("stop token id", t, 0) for t in self.stop_token_ids)
             if len(ids) > MAX_STOP_IDS:
@@ -82,7 +93,8 @@ class SamplingParams:
         """The parameters ``config`` names (its ``None`` fields stay engine defaults)."""
         fields = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                       top_k=config.top_k, top_p=config.top_p, threshold=config.threshold,
-                      alpha=config.alpha, stop_token_ids=config.stop_token_ids, seed=config.seed)
+                      alpha=config.alpha, stop_token_ids=config.stop_token_ids, seed=config.seed,
+                      commit_refresh=config.commit_refresh)
         return cls(**(fields | changes))
 
     def resolved(self, config: GenerationConfig, stop_token_ids: Sequence[int]) -> SamplingParams:
@@ -98,7 +110,8 @@ class SamplingParams:
             top_k=pick(self.top_k, config.top_k), top_p=pick(self.top_p, config.top_p),
             threshold=pick(self.threshold, pick(config.threshold, DEFAULT_THRESHOLD[config.mode])),
             alpha=pick(self.alpha, config.alpha), stop_token_ids=tuple(stops),
-            seed=pick(self.seed, config.seed))
+            seed=pick(self.seed, config.seed),
+            commit_refresh=pick(self.commit_refresh, config.commit_refresh))
 
 
 def slot_params_rows(params: Sequence[SamplingParams], rows: int) -> SlotParams:
@@ -116,4 +129,5 @@ def slot_params_rows(params: Sequence[SamplingParams], rows: int) -> SlotParams:
         temperature=column("temperature", np.float32, 0.0),
         top_k=column("top_k", np.int32, 0), top_p=column("top_p", np.float32, 1.0),
         threshold=column("threshold", np.float32, 1.0), alpha=column("alpha", np.float32, 1.0),
-        stop_ids=stop_ids, seed=column("seed", np.uint32, 0))
+        stop_ids=stop_ids, seed=column("seed", np.uint32, 0),
+        commit_refresh=column("commit_refresh", bool, False))

@@ -1,7 +1,8 @@
 """The bodies of ``POST /v1/completions`` and ``POST /v1/chat/completions``, validated.
 
-Field names and meanings follow the OpenAI API; ``top_k``, ``threshold``, ``alpha`` and
-``ignore_eos`` are extra body fields (``extra_body=`` in the ``openai`` client). Unknown fields
+Field names and meanings follow the OpenAI API; ``top_k``, ``threshold``, ``alpha``,
+``commit_refresh`` and ``ignore_eos`` are extra body fields (``extra_body=`` in the ``openai``
+client). Unknown fields
 are ignored; fields this server does not implement are refused with a 400 that says so.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from focus_jax.engine import SamplingParams
 from focus_jax.serve.errors import invalid, unsupported
@@ -43,6 +44,9 @@ class RequestBody(BaseModel):
     top_k: int | None = Field(None, ge=0)
     threshold: float | None = Field(None, ge=0, le=1)
     alpha: float | None = Field(None, gt=0)
+    commit_refresh: StrictBool | None = None
+    """Refresh each block's KV at its commit (default: the server's ``--commit-refresh``); a
+    JSON boolean, not a string."""
     ignore_eos: bool = False
     """Generate until the token limit, past the model's end-of-sequence tokens (benchmarks)."""
 
@@ -84,7 +88,7 @@ class RequestBody(BaseModel):
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, threshold=self.threshold, alpha=self.alpha, seed=seed,
-            stop_token_ids=() if self.ignore_eos else None)
+            commit_refresh=self.commit_refresh, stop_token_ids=() if self.ignore_eos else None)
 
 
 class CompletionRequest(RequestBody):
