@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -518,6 +519,7 @@ def _free_slot_round_steps(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import jax
 
+    from focus_jax import compilation
     from focus_jax.engine import AsyncEngine, Engine
     from focus_jax.sharding import make_mesh, parse_mesh
 
@@ -539,7 +541,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"another --port or --host") from None
     _check_kernels(args.kernels)
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    began = time.perf_counter()
     model = load_model(args.model, args.dtype, mesh)
+    jax.block_until_ready(model.params)
+    print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
+          file=sys.stderr, flush=True)
     if model.tokenizer is None:
         raise ConfigError("the model folder has no tokenizer, which the server needs")
     on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
@@ -557,7 +563,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
     print(f"focus-jax serve: compiling every program for {slots} slots x {context} "
           f"positions, {args.mode} mode ...", file=sys.stderr, flush=True)
-    engine.warmup()
+    began = time.perf_counter()
+    with compilation.count_compilations() as seen:
+        engine.warmup()
+    print(f"focus-jax serve: warm-up {time.perf_counter() - began:.1f} s ({seen.compiled} "
+          f"programs compiled, {seen.loaded} read from the compilation cache)", file=sys.stderr,
+          flush=True)
     app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
                      ServeSettings(model_name=name, api_key=args.api_key,
                                    grace_seconds=args.grace_period))

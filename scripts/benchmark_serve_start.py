@@ -72,7 +72,10 @@ def start_and_chat(serve_args: list[str], cache: Path, max_tokens: int, timeout:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
-    return {"ready_seconds": round(ready, 2), "chat_seconds": round(chat, 3),
+    # The server's own account of its start: the load and warm-up lines it prints.
+    said = [line.strip() for line in server.stderr.read().splitlines()
+            if line.startswith("focus-jax serve:")]
+    return {"ready_seconds": round(ready, 2), "chat_seconds": round(chat, 3), "server_said": said,
             "completion_tokens": answer["usage"]["completion_tokens"],
             "answer": answer["choices"][0]["message"]["content"],
             "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}

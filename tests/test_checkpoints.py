@@ -427,3 +427,28 @@ def test_convert_refuses_a_target_that_would_lose_data(hf_folder, tmp_path, caps
     (hf_folder / "tokenizer.json").write_text("{ not json")
     assert "tokenizer.json is not valid JSON" in error(hf_folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("folder", ["qwen3_untied", "sdar_moe_tiny", "llada2"])
+def test_layouts_converted_on_the_device_equal_those_converted_on_the_host(folder, tmp_path):
+    """The loader converts a Hugging Face folder's layouts (transposes, fused Q/K/V and
+    gate/up, per-expert stacks, casts) with NumPy on the host or, on accelerators, on the
+    device one layer at a time: both give the same parameters, bit for bit (here both on the
+    CPU, the device path forced)."""
+    from focus_jax.config import ModelConfig
+    from focus_jax.models.weights import load_safetensors
+    from tests.llada2_checkpoint import write_tiny_llada2
+
+    path = Path(__file__).parent / "fixtures" / "parity" / folder
+    if folder == "llada2":
+        path = tmp_path / "llada2"
+        write_tiny_llada2(path, seed=0)
+    cfg = ModelConfig.from_file(path / "config.json", dtype="bfloat16")
+    host = nnx.state(load_safetensors(path, cfg, on_device=False))
+    device = nnx.state(load_safetensors(path, cfg, on_device=True))
+    host_leaves = jax.tree_util.tree_leaves_with_path(host)
+    device_leaves = jax.tree.leaves(device)
+    assert len(host_leaves) == len(device_leaves) > 5
+    for (where, a), b in zip(host_leaves, device_leaves, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(where))

@@ -12,6 +12,7 @@ several Hugging Face tensors side by side (:class:`Fused`): Q, K and V; an MLP's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -31,6 +32,13 @@ from focus_jax.config import ConfigError, ModelConfig
 from focus_jax.models.decoder import Decoder
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def concatenate(arrays: list[Any], axis: int) -> Any:
+    """``np.concatenate``, or JAX's where an array is a JAX array: transforms run on the host
+    (NumPy) or on a device (traced), :func:`load_safetensors` decides."""
+    xp = jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+    return xp.concatenate(arrays, axis=axis)
 
 
 def same(w: Any, cfg: ModelConfig) -> Any:
@@ -101,7 +109,7 @@ class Fused:
     def join(self, parts: list[np.ndarray], cfg: ModelConfig, lead: int) -> np.ndarray:
         """The stacked fused weight from its stacked parts (``lead`` leading stack axes), in
         the order of ``parts``."""
-        return np.concatenate(
+        return concatenate(
             [part.reshape(*part.shape[:lead], *self.shape(cfg, size))
              for part, size in zip(parts, self.sizes(cfg), strict=True)], axis=self.axis + lead)
 
@@ -231,8 +239,8 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
 
 
 
-def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.Array:
-    """A host tensor on the default device, or on ``mesh`` with its parameter's sharding, each
+def _place(value: np.ndarray | jax.Array, var: nnx.Variable, mesh: Mesh | None) -> jax.Array:
+    """A tensor on the default device, or on ``mesh`` with its parameter's sharding, each
     device given only its own slice of it (this process's devices: the others load theirs)."""
     if mesh is None:
         return jnp.asarray(value)
@@ -255,7 +263,8 @@ def _table(cfg: ModelConfig) -> KeyTable:
 
 
 class _Collected:
-    """One per-layer (or per-expert) name's slices as they are read, in a stacked array."""
+    """One per-layer (or per-expert) name's tensors as they are read, stacked as they are in
+    the file (torch layout, the file's dtype): a plain copy per tensor."""
 
     def __init__(self, count: int, experts: int | None):
         self.lead = (count,) if experts is None else (count, experts)
@@ -265,28 +274,90 @@ class _Collected:
     def put(self, at: tuple[int, ...], value: np.ndarray) -> None:
         if self.array is None:
             self.array = np.empty((*self.lead, *value.shape), value.dtype)
+        if value.shape != self.array.shape[len(self.lead):]:
+            raise ConfigError(f"tensors of one name differ in shape between layers or experts: "
+                              f"{tuple(value.shape)} and {self.array.shape[len(self.lead):]}")
         self.array[at] = value
         self.filled[at] = True
 
 
-def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -> Decoder:
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """One of our parameters still in the file's layout: its Hugging Face tensors (stacked on
+    ``lead`` leading axes: none for a global, layers, or layers and experts), the function
+    from one slice of them to one slice of ours, and our dtype."""
+
+    path: tuple[str, ...]
+    raw: tuple[np.ndarray, ...]
+    convert: Callable[..., Any]
+    lead: int
+    dtype: Any
+
+    def slice_shape(self) -> tuple[int, ...]:
+        """Our slice's shape, from the transforms alone (nothing computed)."""
+        inputs = [jax.ShapeDtypeStruct(r.shape[self.lead:], r.dtype) for r in self.raw]
+        try:
+            return tuple(jax.eval_shape(self.convert, *inputs).shape)
+        except (TypeError, ValueError) as err:
+            shapes = ", ".join(str(tuple(r.shape[self.lead:])) for r in self.raw)
+            raise ConfigError(f"{'.'.join(self.path)}: tensors of shape {shapes} do not fit "
+                              f"config.json's sizes ({err})") from None
+
+    def on_host(self, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, self.dtype)
+        for at in np.ndindex(*shape[:self.lead]):
+            out[at] = self.convert(*(r[at] for r in self.raw))
+        return out
+
+    def on_device(self, shape: tuple[int, ...]) -> jax.Array:
+        """Converted on the default device, one layer at a time (each layer's tensors sent as
+        they are in the file; transposing them there is far faster than on the host)."""
+        per_slice = self.convert
+        for _ in range(max(self.lead - 1, 0)):  # the expert axis
+            per_slice = jax.vmap(per_slice)
+        if self.lead == 0:
+            return jax.jit(lambda *raw: per_slice(*raw).astype(self.dtype))(*self.raw)
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def write(out: jax.Array, i: jax.Array, *raw: jax.Array) -> jax.Array:
+            return out.at[i].set(per_slice(*raw).astype(out.dtype))
+
+        out = jnp.zeros(shape, self.dtype)
+        for i in range(shape[0]):
+            out = write(out, np.int32(i), *(r[i] for r in self.raw))
+        return out
+
+
+def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None,
+                     on_device: bool | None = None) -> Decoder:
     """Build the decoder from a Hugging Face folder's safetensors weights, through its family's
     key table, cast to the parameters' dtypes (``cfg.dtype``; routers float32): on the default
     device, or each tensor straight into its shards of ``mesh`` (from host memory: no device
-    holds more of a tensor than its own shard)."""
+    holds more of a tensor than its own shard).
+
+    ``on_device``: convert the layouts (transposes, fused weights, casts) on the default
+    device rather than on the host; by default where that device is an accelerator and there is
+    no mesh. On a CPU the host's NumPy is quicker (the device path compiles a program per
+    weight); on an H200 host NumPy's strided transposes of SDAR-8B took most of a 75-80 s load
+    (docs/startup.md)."""
     table = _table(cfg)
     abstract = abstract_decoder(cfg)
     expected = {path: var for path, var in nnx.to_flat_state(nnx.state(abstract))}
     experts_key = re.compile(re.escape(table.experts_prefix) + r"\.(\d+)\.(.+)")
     num_experts = None if cfg.moe is None else cfg.moe.num_experts
-    flat: dict[tuple[str, ...], np.ndarray] = {}
+    pending: list[_Pending] = []
     collected: dict[tuple[str, bool], _Collected] = {}
+
+    def dtype_of(path: tuple[str, ...], raw: np.ndarray) -> Any:
+        return expected[path].dtype if path in expected else raw.dtype
+
     for file in safetensors_files(folder):
         for key, tensor in read_safetensors(file).items():
             if key in table.globals:
                 weight = table.globals[key]
-                dtype = expected[weight.path].dtype if weight.path in expected else tensor.dtype
-                flat[weight.path] = weight.to_ours(tensor, cfg).astype(dtype)
+                pending.append(_Pending(weight.path, (tensor,),
+                                        functools.partial(weight.to_ours, cfg=cfg), 0,
+                                        dtype_of(weight.path, tensor)))
                 continue
             match = _LAYER_KEY.fullmatch(key)
             if not match:
@@ -310,9 +381,8 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
             slot = collected.setdefault((name, expert is not None),
                                         _Collected(len(layers), num_experts if expert is not None
                                                    else None))
-            dtype = expected[weight.path].dtype if weight.path in expected else tensor.dtype
             at = (layers.index(index),) if expert is None else (layers.index(index), expert)
-            slot.put(at, weight.to_ours(tensor, cfg).astype(dtype))
+            slot.put(at, tensor)
     for (name, expert), slot in collected.items():
         if not slot.filled.all():
             missing = sorted({int(i) for i in np.argwhere(~slot.filled)[:, 0]})
@@ -321,10 +391,12 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
                               f"{name}" + (" (some experts)" if expert else ""))
     for expert in (False, True):
         for name in table.names(expert):
-            path = table.weight(name, expert).path
-            if path in table.fused or (name, expert) not in collected:
+            weight = table.weight(name, expert)
+            if weight.path in table.fused or (name, expert) not in collected:
                 continue
-            flat[path] = collected[(name, expert)].array
+            raw = collected[(name, expert)].array
+            pending.append(_Pending(weight.path, (raw,), functools.partial(weight.to_ours, cfg=cfg),
+                                    2 if expert else 1, dtype_of(weight.path, raw)))
     for path, fused in table.fused.items():
         expert = fused.per_expert
         present = [part for part in fused.parts if (part, expert) in collected]
@@ -333,29 +405,44 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None) -
         absent = [part for part in fused.parts if (part, expert) not in collected]
         if absent:
             raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
-        flat[path] = fused.join([collected[(part, expert)].array for part in fused.parts], cfg,
-                                lead=2 if expert else 1)
+        raws = tuple(collected[(part, expert)].array for part in fused.parts)
+
+        def joined(*parts: Any, fused: Fused = fused) -> Any:
+            return fused.join([fused.to_ours(name)(w, cfg)
+                               for name, w in zip(fused.parts, parts, strict=True)], cfg, lead=0)
+
+        pending.append(_Pending(path, raws, joined, 2 if expert else 1,
+                                dtype_of(path, raws[0])))
     if cfg.tie_word_embeddings:
-        flat.pop(("lm_head",), None)
-    return _fill(abstract, flat, folder, mesh)
+        pending = [p for p in pending if p.path != ("lm_head",)]
+    if on_device is None:
+        on_device = mesh is None and jax.default_backend() != "cpu"
+    return _fill(abstract, pending, folder, mesh, on_device)
 
 
-def _fill(model: Decoder, flat: dict[tuple[str, ...], np.ndarray], origin: Path,
-          mesh: Mesh | None = None) -> Decoder:
+def _fill(model: Decoder, pending: list[_Pending], origin: Path, mesh: Mesh | None,
+          on_device: bool) -> Decoder:
     graphdef, state = nnx.split(model)
     expected = {path: var for path, var in nnx.to_flat_state(state)}
-    missing = sorted(".".join(p) for p in expected if p not in flat)
+    given = {p.path for p in pending}
+    missing = sorted(".".join(p) for p in expected if p not in given)
     if missing:
         raise ConfigError(f"weights in {origin} lack: {', '.join(missing[:8])}")
-    for path, value in flat.items():
-        if path not in expected:
-            raise ConfigError(f"weights in {origin} hold {'.'.join(path)}, which the config "
+    shapes = {}
+    for item in pending:
+        if item.path not in expected:
+            raise ConfigError(f"weights in {origin} hold {'.'.join(item.path)}, which the config "
                               f"does not have (tie_word_embeddings?)")
-        want = expected[path].shape
-        if value.shape != want:
-            raise ConfigError(f"{'.'.join(path)} in {origin} has shape {tuple(value.shape)}, "
+        shape = tuple(item.raw[0].shape[:item.lead]) + item.slice_shape()
+        want = expected[item.path].shape
+        if shape != want:
+            raise ConfigError(f"{'.'.join(item.path)} in {origin} has shape {shape}, "
                               f"config.json implies {tuple(want)}")
-        expected[path].set_value(_place(value, expected[path], mesh))
+        shapes[item.path] = shape
+    for item in pending:
+        shape = shapes[item.path]
+        value = item.on_device(shape) if on_device else item.on_host(shape)
+        expected[item.path].set_value(_place(value, expected[item.path], mesh))
     return nnx.merge(graphdef, state)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from focus_jax.config import ModelConfig
 from focus_jax.models.qwen3.params import gate_up
-from focus_jax.models.weights import Fused, KeyTable, Weight, linear_out, transposed
+from focus_jax.models.weights import Fused, KeyTable, Weight, concatenate, linear_out, transposed
 
 
 def _qkv_to_ours(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -21,7 +21,7 @@ def _qkv_to_ours(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     q = w[:, :h * d].reshape(e, kvh, h // kvh, d)
     k = w[:, h * d:(h + kvh) * d].reshape(e, kvh, 1, d)
     v = w[:, (h + kvh) * d:].reshape(e, kvh, 1, d)
-    return np.concatenate([q, k, v], axis=2)
+    return concatenate([q, k, v], axis=2)
 
 
 def _qkv_to_hf(w, cfg: ModelConfig):
