@@ -8,10 +8,11 @@ import logging
 TRANSFORMERS_NOISE = {
     # At import without PyTorch: focus_jax uses transformers for tokenizers and configs only.
     "transformers": ("PyTorch was not found.",),
-    # AutoTokenizer reading an SDAR config.json (model_type "sdar", unknown to transformers):
-    # only the tokenizer is loaded from it.
-    "transformers.configuration_utils": (
-        "You are using a model of type `sdar` to instantiate a model of type ``.",),
+    # AutoTokenizer reading the config.json of a family transformers does not know (SDAR,
+    # SDAR-MoE, LLaDA2): only the tokenizer is loaded from it.
+    "transformers.configuration_utils": tuple(
+        f"You are using a model of type `{model_type}` to instantiate a model of type ``."
+        for model_type in ("sdar", "sdar_moe", "llada2_moe")),
 }
 """Messages by the logger that logs them (a filter sees only its own logger's records)."""
 

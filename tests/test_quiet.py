@@ -51,8 +51,9 @@ def test_only_the_listed_transformers_messages_are_dropped():
     config = logging.getLogger("transformers.configuration_utils")
     with Logged() as logged:
         logging.getLogger("transformers").warning("PyTorch was not found. Models won't ...")
-        config.warning("You are using a model of type `sdar` to instantiate a model of type ``. "
-                       "This may be expected ...")
+        for model_type in ("sdar", "sdar_moe", "llada2_moe"):
+            config.warning(f"You are using a model of type `{model_type}` to instantiate a model "
+                           f"of type ``. This may be expected ...")
         config.warning("You are using a model of type `llama` to instantiate a model of type "
                        "`qwen3`.")
         logging.getLogger("transformers").warning("something else that matters")

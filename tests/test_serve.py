@@ -512,6 +512,43 @@ def test_a_server_on_a_two_device_mesh_answers_as_generate_does(tmp_path, cache,
         two.stop()
 
 
+def test_a_mixture_of_experts_model_serves_the_tokens_generate_gives(tmp_path, cache):
+    """A tiny LLaDA2-style model (a dense first layer, then experts: sigmoid scores with an
+    expert bias, group-limited top-k, a shared expert; partial rotary) saved as a folder and
+    served by ``focus-jax serve``: concurrent greedy completions through the official client are
+    ``focus_jax.generate``'s tokens for the same folder."""
+    from focus_jax.config import MoEConfig
+    from focus_jax.testing import tiny_model
+
+    moe = MoEConfig(num_experts=16, experts_per_token=4, expert_size=32, dense_layers=(0,),
+                    scores="sigmoid", routed_scaling_factor=2.5, num_groups=4,
+                    groups_per_token=2, expert_bias=True, shared_expert_size=32)
+    folder = tmp_path / "llada2-tiny"
+    focus_jax.save(tiny_model(seed=1, scale=4.0, tokenizer=True, model_type="llada2_moe",
+                              moe=moe, partial_rotary_factor=0.5, block_size=8), folder)
+    served = Server(tmp_path / "moe.log", cache, "--model", str(folder))
+    model = focus_jax.load(folder)
+    prompts = [focus_jax.encode_prompt(model, p, chat=False) for p in PROMPTS[:4]]
+    expected = [(r.text, len(r.token_ids)) for r in focus_jax.generate(
+        model, prompts, focus_jax.GenerationConfig(
+            mode="focus", bucket_ladder=LADDER, max_batch=SLOTS, max_new_tokens=SHORT,
+            max_cache_len=CONTEXT, stop_token_ids=()))]
+    assert len(set(expected)) > 1 and all(n == SHORT for _, n in expected)
+    served.wait_ready()
+    try:
+        async def ask_all() -> list[tuple[str, int]]:
+            client = served.async_client()
+            answers = await asyncio.gather(*(
+                client.completions.create(model=folder.name, prompt=prompt, max_tokens=SHORT,
+                                          extra_body={"ignore_eos": True})
+                for prompt in prompts))
+            return [(a.choices[0].text, a.usage.completion_tokens) for a in answers]
+
+        assert asyncio.run(ask_all()) == expected
+    finally:
+        served.stop()
+
+
 def test_serve_refuses_a_port_in_use(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
