@@ -541,6 +541,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"another --port or --host") from None
     _check_kernels(args.kernels)
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    _compile_cache(args)  # before loading: on an accelerator the loader compiles its conversions
     began = time.perf_counter()
     model = load_model(args.model, args.dtype, mesh)
     jax.block_until_ready(model.params)
@@ -806,6 +807,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1/* requests (default: none)")
     srv.add_argument("--mode", choices=MODES, default="focus", help="decoding mode")
     _add_commit_refresh_option(srv)
+    _add_compile_cache_option(srv)
     srv.add_argument("--max-batch", type=int, default=None,
                      help=f"slots decoded together (default: {SERVE_CPU_SHAPE[0]} on a CPU, "
                           f"{SERVE_SLOTS} elsewhere)")
