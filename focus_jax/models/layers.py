@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from focus_jax.config import ModelConfig
+from focus_jax.models.matmul import project
 
 
 def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -80,7 +81,7 @@ class Attention(nnx.Module):
 
     def qkv(self, x: Float[Array, "... n e"], positions: Int[Array, "... n"]):
         """Queries ``[..., n, H, D]``, keys and values ``[..., n, KVH, D]``, q/k normed and roped."""
-        fused = jnp.einsum("...e,ekgd->...kgd", x, self.qkv_proj[...])
+        fused = project("...e,ekgd->...kgd", x, self.qkv_proj[...])
         *lead, kvh, parts, d = fused.shape
         q = fused[..., :parts - 2, :].reshape(*lead, kvh * (parts - 2), d)  # head = kv * G + g
         k, v = fused[..., parts - 2, :], fused[..., parts - 1, :]
@@ -89,7 +90,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def output(self, attn: Float[Array, "... n h d"]) -> Float[Array, "... n e"]:
-        return jnp.einsum("...hd,hde->...e", attn, self.o_proj[...])
+        return project("...hd,hde->...e", attn, self.o_proj[...])
 
 
 class MLP(nnx.Module):
@@ -102,8 +103,9 @@ class MLP(nnx.Module):
         self.down_proj = param(init(rngs, (f, e), dt), ("mlp", "embed"))
 
     def __call__(self, x: Float[Array, "... e"]) -> Float[Array, "... e"]:
-        gate_up = jnp.einsum("...e,epf->...pf", x, self.gate_up_proj[...])
-        return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ self.down_proj[...]
+        gate_up = project("...e,epf->...pf", x, self.gate_up_proj[...])
+        hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        return project("...f,fe->...e", hidden, self.down_proj[...])
 
 
 @jax.custom_vjp

@@ -19,8 +19,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax.config import ModelConfig, MoEConfig
 from focus_jax.models.layers import MLP, init, param
+from focus_jax.models.matmul import grouped
 from pallas_kernels import sharding
-from pallas_kernels.grouped_matmul import grouped_matmul
 
 NORM_EPS = 1e-20
 """Added to the sum of a token's chosen scores before normalising them (LLaDA2's sigmoid scores
@@ -111,9 +111,9 @@ def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Flo
         weights = jnp.where(keep, weights, 0.0)
     order = jnp.argsort(pair_expert, stable=True)
     sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[pair_expert].add(1)[:num_experts]
-    h = grouped_matmul(x[order // k], gate_up.reshape(num_experts, e, 2 * f), sizes)
+    h = grouped(x[order // k], gate_up.reshape(num_experts, e, 2 * f), sizes)
     h = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
-    y = grouped_matmul(h, down, sizes, preferred_element_type=jnp.float32)
+    y = grouped(h, down, sizes, preferred_element_type=jnp.float32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[inverse].reshape(n, k, e)
     if keep is not None:
