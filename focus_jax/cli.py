@@ -13,7 +13,15 @@ from pathlib import Path
 
 from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
-from focus_jax.config import DEFAULT_THRESHOLD, MODES, UNMASKING_RULES, ConfigError, GenerationConfig
+from focus_jax.config import (
+    DEFAULT_THRESHOLD,
+    MODES,
+    QUANTIZED_TYPES,
+    UNMASKING_RULES,
+    ConfigError,
+    GenerationConfig,
+    Quantization,
+)
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.engine.core import CPU_SHAPE
@@ -66,6 +74,25 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
                         help="print decoding and compilation statistics")
     _add_compile_cache_option(parser)
     _add_distribution_options(parser)
+
+
+def _add_quantize_options(parser: argparse.ArgumentParser, activations: bool = True) -> None:
+    parser.add_argument("--quantize", choices=QUANTIZED_TYPES, default=None,
+                        help="8-bit weights per output channel (docs/quantization.md; default: "
+                             "none, a converted quantized folder stays quantized)")
+    if activations:
+        parser.add_argument("--quantize-activations-from", type=int, default=None,
+                            metavar="ROWS",
+                            help="also quantize activations, per token, in matmuls of at least "
+                                 "ROWS rows (FP8 on Hopper GPUs, int8 on TPUs; default: weights "
+                                 "only)")
+
+
+def _quantization(args: argparse.Namespace) -> Quantization | None:
+    rows = getattr(args, "quantize_activations_from", None)
+    if rows is not None and args.quantize is None:
+        raise ConfigError("--quantize-activations-from needs --quantize fp8 or int8")
+    return None if args.quantize is None else Quantization(args.quantize, rows)
 
 
 def _add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +169,8 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         **_ladder(args.bucket_ladder))
 
 
-def load_model(path: Path | None, dtype: str | None = None, mesh=None):
+def load_model(path: Path | None, dtype: str | None = None, mesh=None,
+               quantize: Quantization | None = None):
     """The model at ``path``; without one, the bundled model (``ConfigError`` if this install
     lacks it)."""
     from focus_jax.checkpoint import load
@@ -150,7 +178,8 @@ def load_model(path: Path | None, dtype: str | None = None, mesh=None):
     if path is None and not (BUNDLED_MODEL / "config.json").is_file():
         raise ConfigError(f"the bundled model is missing from this install ({BUNDLED_MODEL}): "
                           f"reinstall focus-jax, or pass --model PATH")
-    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh)
+    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh,
+                quantize=quantize)
 
 
 def format_stats(stats: RunStats, num_layers: int) -> str:
@@ -240,7 +269,8 @@ class _StreamPrinter:
 def cmd_convert(args: argparse.Namespace) -> int:
     from focus_jax.checkpoint import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+                  quantize=args.quantize)
     print(f"wrote {out}")
     return 0
 
@@ -310,7 +340,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rates = _positive_rates(args.request_rate) if args.request_rate else None
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
-    model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
+    quantization = _quantization(args)
+    model = (bench.random_model(args.geometry, quantization=quantization) if args.geometry
+             else load_model(args.model, quantize=quantization))
     peak = bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
@@ -551,6 +583,7 @@ def _compile_check(args: argparse.Namespace) -> int:
     from focus_jax import compile_check, tpu
     from focus_jax.config import ModelConfig
     from focus_jax.models import geometry
+    from focus_jax.quant import check_platform
 
     if (args.geometry is None) == (args.model is None):
         raise ConfigError("give one of --geometry NAME or --model PATH")
@@ -558,6 +591,10 @@ def _compile_check(args: argparse.Namespace) -> int:
         cfg = geometry(args.geometry, args.dtype or "bfloat16")
     else:
         cfg = ModelConfig.from_file(args.model / "config.json", dtype=args.dtype)
+    quantization = _quantization(args)
+    if quantization is not None:
+        check_platform(quantization, "tpu")
+        cfg = cfg.replace(quantization=quantization)
     ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
               if args.bucket_ladder else {})
     # Sampling settings are per-slot arrays of the decode state: no option of theirs changes a
@@ -633,6 +670,7 @@ def _add_convert_command(sub: argparse._SubParsersAction) -> None:
                       help="weights' dtype (default: the model's)")
     conv.add_argument("--overwrite", action="store_true",
                       help="replace the model folder at OUT_DIR (kept until the new one is complete)")
+    _add_quantize_options(conv, activations=False)
     conv.set_defaults(func=cmd_convert)
 
 
@@ -697,6 +735,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                     help="denoising steps per device round (admissions happen between rounds)")
     be.add_argument("--json", default=None,
                     help="write the rows (and MFU) to this file (default: print only)")
+    _add_quantize_options(be)
     _add_kernels_option(be)
     _add_compile_cache_option(be)
     _add_distribution_options(be)
@@ -824,6 +863,7 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
                     help="attention and importance kernels (default: the TPU's, pallas_tpu)")
     cc.add_argument("--hbm-gib", type=float, default=None,
                     help="HBM a program may use per chip (default: the chip's)")
+    _add_quantize_options(cc)
     cc.set_defaults(func=cmd_compile_check)
 
 
