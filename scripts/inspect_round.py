@@ -10,7 +10,8 @@ caused it.
 With ``--quantize`` (docs/quantization.md) it also counts the round's 8-bit products: cuBLASLt
 FP8 GEMMs (``__cublas$lt$matmul$f8``), GEMM fusions reading 8-bit operands (the weights
 dequantized inside the GEMM), and the instructions that write a whole dequantized layer weight
-in the model's dtype (a dequantization XLA did not fuse into its GEMM: a weight read twice).
+in the model's dtype (a dequantization XLA did not fuse into its GEMM: a weight read twice) or
+in 8 bits in another layout (a transpose cuBLASLt's FP8 GEMM asked for).
 """
 
 from __future__ import annotations
@@ -89,20 +90,28 @@ def print_eight_bit_products(text: str, model) -> None:
                      nnx.to_flat_state(model.params) if path[-1] == "qvalue"}
     fusion_bodies = {name for line in lines if " fusion(" in line
                      for name in re.findall(r"calls=(%[\w.\-]+)", line)}
-    dequantized, body = [], None
+    dequantized, relaid, body = [], [], None
     for line in lines:
         header = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
         if header:
             body = header.group(1)
         match = SHAPE.search(line)
-        if body in fusion_bodies or not match or match.group(1) != DTYPES[model.config.dtype]:
+        if body in fusion_bodies or not match:
             continue
         dims = tuple(int(d) for d in match.group(2).split(",") if d)
-        if dims in layer_weights and line.split("=", 1)[1].split("(", 1)[0].split()[-1] \
-                not in IN_PLACE:
+        if line.split("=", 1)[1].split("(", 1)[0].split()[-1] in IN_PLACE:
+            continue
+        if match.group(1) == DTYPES[model.config.dtype] and dims in layer_weights:
             dequantized.append(line)
+        elif (match.group(1) in ("s8", "f8e4m3fn") and dims not in layer_weights
+              and any(sorted(dims) == sorted(w) for w in layer_weights)):
+            relaid.append(line)
     print(f"layer weights written dequantized ({model.config.dtype}): {len(dequantized)}")
     for line in dequantized[:12]:
+        print("   ", line.strip()[:300])
+    print(f"8-bit layer weights written in another layout (a transpose for the GEMM): "
+          f"{len(relaid)}")
+    for line in relaid[:12]:
         print("   ", line.strip()[:300])
 
 
