@@ -223,7 +223,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     cache = _compile_cache(args)
     mesh = _mesh(args)
-    model = load_model(args.model, args.dtype, mesh)
+    model = load_model(args.model, args.dtype, mesh, _quantization(args))
     stream = len(prompts) == 1 and not args.no_stream and is_primary()
     printer = _StreamPrinter(model.tokenizer) if stream else None
     with count_compilations() as compiled:
@@ -306,7 +306,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")
     modes = _modes(args.modes)
     _compile_cache(args)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, quantize=_quantization(args))
     reports = evaluate.evaluate(model, tasks.held_out(args.per_task, tasks=names),
                                 modes, max_batch=args.max_batch,
                                 max_new_tokens=args.max_new_tokens, alpha=args.alpha,
@@ -543,7 +543,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"another --port or --host") from None
     _check_kernels(args.kernels)
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
-    model = load_model(args.model, args.dtype, mesh)
+    model = load_model(args.model, args.dtype, mesh, _quantization(args))
     if model.tokenizer is None:
         raise ConfigError("the model folder has no tokenizer, which the server needs")
     on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
@@ -659,6 +659,7 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompts-file", help="a file with one prompt per line (with or instead of "
                                             "--prompt; default: none)")
     gen.add_argument("--no-stream", action="store_true", help="print at the end, not as it comes")
+    _add_quantize_options(gen)
     gen.set_defaults(func=cmd_generate)
 
 
@@ -692,6 +693,7 @@ def _add_eval_command(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--markdown",
                     help="also write the tables to this file (default: print only)")
     _add_compile_cache_option(ev)
+    _add_quantize_options(ev)
     ev.set_defaults(func=cmd_eval)
 
 
@@ -828,6 +830,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                           "model; default: one device)")
     srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                      default="info", help="uvicorn's log level")
+    _add_quantize_options(srv)
     srv.set_defaults(func=cmd_serve)
 
 

@@ -2,7 +2,10 @@
 of 8-bit activations, quantized checkpoints, zero compiles while serving, clear errors."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -148,3 +151,18 @@ def test_unsupported_quantizations_are_clear_errors(tmp_path, capsys):
         focus_jax.load(folder, tokenizer=False)
     assert main(["bench", "--geometry", "sdar-8b", "--quantize-activations-from", "64"]) == 2
     assert "--quantize-activations-from needs --quantize" in capsys.readouterr().err
+
+
+def test_8_bit_experts_split_over_a_mesh_give_the_single_device_logits():
+    """The experts' 8-bit weights and scales are placed by their parameters' logical axes (a
+    scale is not split on its contracted axis) and enter the experts' ``shard_map`` with them."""
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(root / "tests/sharding/quantized.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["placed"] and row["max_difference"] < 1e-4, row

@@ -72,7 +72,7 @@ def read(w: Weight) -> Array | qwix.QArray:
     return w[...]
 
 
-def spec(w: Array | qwix.QArray, partition: PartitionSpec) -> PartitionSpec | qwix.QArray:
+def weight_partition(w: Array | qwix.QArray, partition: PartitionSpec) -> PartitionSpec | qwix.QArray:
     """``partition`` for a weight's arrays: a quantized weight's scale is not split on the axes
     where it has size 1 (those the matmul contracts)."""
     if not isinstance(w, qwix.QArray):

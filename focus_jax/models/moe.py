@@ -20,7 +20,7 @@ from qwix import QArray
 
 from focus_jax.config import ModelConfig, MoEConfig
 from focus_jax.models.layers import MLP, init, param
-from focus_jax.models.matmul import grouped, read, spec, weight
+from focus_jax.models.matmul import grouped, read, weight, weight_partition
 from pallas_kernels import sharding
 
 NORM_EPS = 1e-20
@@ -153,6 +153,8 @@ def run_experts_sharded(mesh: Mesh | None, x: Float[Array, "n e"], experts: Int[
     P = PartitionSpec
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
     run = sharding.manual(local, mesh, (P(), P(), P(),
-                                        spec(gate_up, P(experts_axis, None, None, width_axis)),
-                                        spec(down, P(experts_axis, width_axis, None)), P()), P())
+                                        weight_partition(gate_up, P(experts_axis, None, None,
+                                                                    width_axis)),
+                                        weight_partition(down, P(experts_axis, width_axis, None)),
+                                        P()), P())
     return run(x, experts, weights, gate_up, down, valid).astype(x.dtype)
