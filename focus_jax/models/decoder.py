@@ -227,9 +227,9 @@ class Decoder(nnx.Module):
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """Final norm and LM head; logits in float32."""
         if self.lm_head is None:
-            return project("...e,ve->...v", self.norm(x), self.embed[...],
+            return project("...e,ve->...v", self.norm(x), self.embed,
                            preferred_element_type=jnp.float32)
-        return project("...e,ev->...v", self.norm(x), self.lm_head[...],
+        return project("...e,ev->...v", self.norm(x), self.lm_head,
                        preferred_element_type=jnp.float32)
 
 
