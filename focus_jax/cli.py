@@ -374,10 +374,13 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                    "peak_flops": peak,
                    "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
                    "mesh": args.mesh, "kernels": args.kernels,
+                   "quantize": args.quantize,
+                   "quantize_activations_from": args.quantize_activations_from,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             yield row, (
-                f"{row['model']} bs{batch} {r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
+                f"{row['model']}{'' if args.quantize is None else ' ' + args.quantize} bs{batch} "
+                f"{r.mode:8s} {r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "

@@ -15,7 +15,7 @@ import qwix
 from flax import nnx
 
 import focus_jax
-from focus_jax import ConfigError, GenerationConfig, quant
+from focus_jax import ConfigError, GenerationConfig, bench, quant
 from focus_jax.cli import main
 from focus_jax.compilation import count_compilations
 from focus_jax.config import Quantization
@@ -166,3 +166,14 @@ def test_8_bit_experts_split_over_a_mesh_give_the_single_device_logits():
     assert len(rows) == 3
     for row in rows:
         assert row["placed"] and row["max_difference"] < 1e-4, row
+
+
+def test_bench_runs_the_model_it_was_asked_to_quantize(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
+    monkeypatch.setattr(bench, "run", lambda model, *args, **kwargs: seen.append(model) or [])
+    assert main(["bench", "--batches", "1", "--quantize", "fp8"]) == 0  # the bundled model
+    [model] = seen
+    assert model.config.quantization == Quantization("fp8")
+    assert {var.get_value().dtype for _, var in nnx.to_flat_state(model.params)} >= {
+        jnp.dtype(jnp.float8_e4m3fn)}
