@@ -15,15 +15,12 @@ import qwix
 from flax import nnx
 
 import focus_jax
-from focus_jax import ConfigError, GenerationConfig, bench, quant
+from focus_jax import ConfigError, bench, quant
 from focus_jax.cli import main
-from focus_jax.compilation import count_compilations
 from focus_jax.config import Quantization
-from focus_jax.engine import Engine, run_to_completion
 from focus_jax.model import Model, _logits
 from focus_jax.models.matmul import QTYPES
-from focus_jax.testing import random_prompts, tiny_model
-from tests.test_moe_decoding import LADDER, LLADA2, THRESHOLD
+from tests.test_moe_decoding import llada2_model, serves_without_compiling
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 DENSE, MOE = FIXTURES / "qwen3_untied", FIXTURES / "sdar_moe_tiny"
@@ -110,18 +107,7 @@ def test_a_quantized_checkpoint_restores_the_same_weights(weights, tmp_path):
 
 
 def test_a_quantized_mixture_serves_without_compiling_after_warmup():
-    plain = tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=LLADA2,
-                       partial_rotary_factor=0.5)
-    model = quant.quantize(plain, "int8")
-    config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, max_new_tokens=12,
-                              alpha=1.0, bucket_ladder=LADDER)
-    engine = Engine(model, config, slots=4, cache_len=64)
-    engine.warmup()
-    with count_compilations() as serving:
-        for prompt in random_prompts(10, 128, 1, 30, seed=21):
-            engine.add_request(prompt)
-        results = run_to_completion(engine)
-    assert len(results) == 10 and serving.programs == 0
+    results = serves_without_compiling(quant.quantize(llada2_model(), "int8"))
     assert all(len(r.token_ids) == 12 for r in results.values())
 
 

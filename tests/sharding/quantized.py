@@ -18,16 +18,14 @@ from flax import nnx
 from focus_jax import quant
 from focus_jax.models.decoder import forward
 from focus_jax.sharding import make_mesh, param_shardings, shard_params
-from focus_jax.testing import random_prompts, tiny_model
-from tests.test_moe_decoding import LLADA2
+from focus_jax.testing import random_prompts
+from tests.test_moe_decoding import llada2_model
 
 
 def main() -> None:
     assert len(jax.devices()) == 4, jax.devices()
     jax.config.update("jax_default_matmul_precision", "highest")
-    plain = tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=LLADA2,
-                       partial_rotary_factor=0.5)
-    model = quant.quantize(plain, "int8")
+    model = quant.quantize(llada2_model(), "int8")
     tokens = jnp.asarray(random_prompts(2, 128, 16, 16, seed=3), jnp.int32)
 
     def logits(params, mesh):
