@@ -12,9 +12,10 @@ model (:class:`~focus_jax.config.Quantization`) a qwix ``QArray`` of two paramet
   over the contracted axes), so that ``weight ~= qvalue * scale``.
 
 The products are qwix's (``qwix.einsum``, ``qwix.ragged_dot`` through the grouped matmul's
-backends): with plain activations qwix dequantizes the weight into the matmul (XLA fuses the
-convert and the multiply into it); with 8-bit activations (``activations_from``) both operands
-are 8-bit and the scales multiply the product.
+backends): with plain activations qwix dequantizes the weight into the matmul (for XLA to fuse
+the convert and the multiply into its GEMM: ``scripts/inspect_round.py --quantize`` shows
+whether it did); with 8-bit activations (``activations_from``) both operands are 8-bit and the
+scales multiply the product.
 """
 
 from __future__ import annotations
