@@ -45,17 +45,18 @@ def check_platform(quantization: Quantization | None, platform: str,
     ``gpu``, ``tpu``; ``device``: a GPU to ask for its generation).
 
     8-bit weights run everywhere (dequantized in the matmul). 8-bit activations are refused
-    where no 8-bit matmul is faster than the dequantized one: FP8 needs FP8 tensor cores
-    (NVIDIA compute capability 8.9 or newer; no TPU before v7 has FP8 matrix units), and no
-    CPU has either (XLA emulates the 8-bit products there). Nothing falls back silently."""
+    where no 8-bit matmul is known to beat the dequantized one: FP8 needs FP8 tensor cores
+    (NVIDIA compute capability 8.9 or newer; no TPU before v7 has FP8 matrix units), and CPUs
+    are refused both (they compute them correctly, as the tests do through :func:`quantize`,
+    but nothing shows them faster there). Nothing falls back silently."""
     if quantization is None or quantization.activations_from is None:
         return
     kind = quantization.weights
     drop = (f"leave out the activations' quantization: {kind} weights alone run on any "
             f"platform, dequantized in the matmul")
     if platform == "cpu":
-        raise ConfigError(f"{kind} activations do not run on CPUs (XLA only emulates 8-bit "
-                          f"products there); {drop}")
+        raise ConfigError(f"{kind} activations are not served on CPUs (no 8-bit matmul there "
+                          f"is known to beat the dequantized one); {drop}")
     if kind == "fp8" and platform == "tpu":
         raise ConfigError(f"fp8 activations need FP8 matrix units, which TPUs before v7 lack; "
                           f"use int8, or {drop}")

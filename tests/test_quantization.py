@@ -112,7 +112,7 @@ def test_a_quantized_mixture_serves_without_compiling_after_warmup():
 
 
 def test_8_bit_activations_are_refused_where_they_would_not_be_faster():
-    with pytest.raises(ConfigError, match=r"fp8 activations do not run on CPUs.*fp8 weights "
+    with pytest.raises(ConfigError, match=r"fp8 activations are not served on CPUs.*fp8 weights "
                                           r"alone run on any platform"):
         focus_jax.load(DENSE, tokenizer=False, quantize=Quantization("fp8", activations_from=64))
     with pytest.raises(ConfigError, match="TPUs before v7 lack"):
