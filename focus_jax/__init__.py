@@ -9,7 +9,7 @@ from focus_jax import tpu  # noqa: E402
 from focus_jax.api import encode_prompt, generate  # noqa: E402
 from focus_jax.bundled import MODEL as BUNDLED_MODEL  # noqa: E402
 from focus_jax.checkpoint import convert, load, save  # noqa: E402
-from focus_jax.config import ConfigError, GenerationConfig, ModelConfig  # noqa: E402
+from focus_jax.config import ConfigError, GenerationConfig, ModelConfig, Quantization  # noqa: E402
 from focus_jax.engine import Engine, RequestError, RequestStats, Result, RunStats  # noqa: E402
 from focus_jax.model import Model  # noqa: E402
 
@@ -18,7 +18,8 @@ from focus_jax.model import Model  # noqa: E402
 tpu.skip_absent_tpu()
 
 __all__ = [
-    "BUNDLED_MODEL", "ConfigError", "Engine", "GenerationConfig", "Model", "ModelConfig", "RequestError",
+    "BUNDLED_MODEL", "ConfigError", "Engine", "GenerationConfig", "Model", "ModelConfig", "Quantization",
+    "RequestError",
     "RequestStats", "Result", "RunStats", "convert", "encode_prompt", "generate", "load", "save",
 ]
 __version__ = "0.1.0"

@@ -23,11 +23,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from focus_jax.compilation import count_compilations
-from focus_jax.config import GenerationConfig, ModelConfig, check_integer
+from focus_jax.config import GenerationConfig, ModelConfig, Quantization, check_integer
 from focus_jax.engine import Engine, SamplingParams, run_to_completion
 from focus_jax.model import Model
 from focus_jax.models import geometry
 from focus_jax.models.decoder import Decoder
+from focus_jax.quant import check_platform
 
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
 
@@ -45,9 +46,12 @@ def random_prompts(cfg: ModelConfig, lengths: Sequence[int], seed: int = 0) -> l
     return [rng.integers(low, min(cfg.vocab_size, 150_000), size=n).tolist() for n in lengths]
 
 
-def random_model(name: str, seed: int = 0, dtype: str = "bfloat16") -> Model:
-    """A named geometry (``sdar-1.7b``, ``sdar-8b``) with random weights, built on the device."""
-    cfg = geometry(name, dtype)
+def random_model(name: str, seed: int = 0, dtype: str = "bfloat16",
+                 quantization: Quantization | None = None) -> Model:
+    """A named geometry (``sdar-1.7b``, ``sdar-8b``) with random weights, built on the device
+    (with ``quantization``: its 8-bit weights only, quantized as they are drawn)."""
+    check_platform(quantization, jax.default_backend())
+    cfg = geometry(name, dtype).replace(quantization=quantization)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed))))
     params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))))()
     return Model(cfg, graphdef, params, None, stop_token_ids=())

@@ -28,11 +28,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from focus_jax import sharding
-from focus_jax.config import ConfigError, ModelConfig
+from focus_jax.config import ConfigError, ModelConfig, Quantization
 from focus_jax.model import Model
 from focus_jax.models import family
 from focus_jax.models.qwen3.params import fuse_separate_projections, has_separate_projections
 from focus_jax.models.weights import abstract_decoder, load_safetensors, not_utf8, read_json
+from focus_jax.quant import as_quantization, check_platform
+from focus_jax.quant import quantize as quantize_model
 
 PARAMS_DIR = "params"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -42,14 +44,22 @@ _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json",
 
 
 def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
-         mesh: Mesh | None = None) -> Model:
+         mesh: Mesh | None = None, quantize: str | Quantization | None = None) -> Model:
     """Load a model folder (Hugging Face or converted).
 
     ``dtype``: ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's). ``tokenizer=False``
     loads the weights alone (prompts must then be token ids). ``mesh``: shard the parameters
     over a ``("data", "model")`` mesh, each tensor restored (converted folder) or read (Hugging
     Face folder) straight into its shards: no device holds a whole tensor it does not own.
+    ``quantize``: ``"int8"`` or ``"fp8"`` weights (per output channel), or a
+    :class:`~focus_jax.config.Quantization` (8-bit activations too), docs/quantization.md; a
+    folder converted with ``--quantize`` loads quantized without it.
     """
+    quantization = as_quantization(quantize)
+    if mesh is not None:
+        check_platform(quantization, mesh.devices.flat[0].platform, mesh.devices.flat[0])
+    else:
+        check_platform(quantization, jax.default_backend())
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ConfigError(f"model folder {folder} does not exist (focus_jax loads local paths "
@@ -71,9 +81,14 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
         sharding.check_divisible(cfg, mesh)
     if (folder / PARAMS_DIR).is_dir():
         decoder = _restore_orbax(folder / PARAMS_DIR, cfg, mesh)
+    elif cfg.quantization is not None:
+        raise ConfigError(f"{folder}/config.json has focus_jax's quantization_config but the "
+                          f"folder has no {PARAMS_DIR}/ (quantized weights are saved by "
+                          f"focus-jax convert --quantize)")
     else:
         decoder = load_safetensors(folder, cfg, mesh)
-    return Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
+    model = Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
+    return model if quantization is None else quantize_model(model, quantization, mesh)
 
 
 def has_tokenizer(folder: Path) -> bool:
@@ -271,10 +286,11 @@ def save(model: Model, out: str | Path, *, source: Path | None = None,
 
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-            overwrite: bool = False) -> Path:
+            overwrite: bool = False, quantize: str | None = None) -> Path:
     """Convert a Hugging Face folder into a converted (orbax) folder at ``out_dir``, which must
     be new or empty, or with ``overwrite`` a model folder to replace (see :func:`save`), and lie
-    outside the source (nor hold it)."""
+    outside the source (nor hold it). ``quantize``: ``"int8"`` or ``"fp8"`` weights, saved
+    quantized (their scales beside them)."""
     source, target = Path(hf_dir).expanduser(), Path(out_dir).expanduser()
     inside = source.resolve() == target.resolve() or source.resolve() in target.resolve().parents
     if inside or target.resolve() in source.resolve().parents:
@@ -282,5 +298,5 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None
                           f"the source folder and must not contain it")
     check_target(target.resolve(), overwrite)  # before the loading, which takes a while
     # The tokenizer is loaded to check it: a folder converted from a broken one would not load.
-    model = load(source, dtype=dtype, tokenizer=has_tokenizer(source))
+    model = load(source, dtype=dtype, tokenizer=has_tokenizer(source), quantize=quantize)
     return save(model, target, source=source, overwrite=overwrite)

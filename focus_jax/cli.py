@@ -17,9 +17,11 @@ from focus_jax.compilation import Compilations
 from focus_jax.config import (
     DEFAULT_THRESHOLD,
     MODES,
+    QUANTIZED_TYPES,
     UNMASKING_RULES,
     ConfigError,
     GenerationConfig,
+    Quantization,
     mode_label,
 )
 from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
@@ -85,6 +87,25 @@ def _add_commit_refresh_option(parser: argparse.ArgumentParser) -> None:
                              "through every layer once more with its final tokens, replacing "
                              f"the delayed cache's stale KV (one extra pass per block; default: "
                              f"{default})")
+
+
+def _add_quantize_options(parser: argparse.ArgumentParser, activations: bool = True) -> None:
+    parser.add_argument("--quantize", choices=QUANTIZED_TYPES, default=None,
+                        help="8-bit weights per output channel (docs/quantization.md; default: "
+                             "none, a converted quantized folder stays quantized)")
+    if activations:
+        parser.add_argument("--quantize-activations-from", type=int, default=None,
+                            metavar="ROWS",
+                            help="also quantize activations, per token, in matmuls of at least "
+                                 "ROWS rows (FP8 on Hopper GPUs, int8 on TPUs; default: weights "
+                                 "only)")
+
+
+def _quantization(args: argparse.Namespace) -> Quantization | None:
+    rows = getattr(args, "quantize_activations_from", None)
+    if rows is not None and args.quantize is None:
+        raise ConfigError("--quantize-activations-from needs --quantize fp8 or int8")
+    return None if args.quantize is None else Quantization(args.quantize, rows)
 
 
 def _add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +183,8 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         **_ladder(args.bucket_ladder))
 
 
-def load_model(path: Path | None, dtype: str | None = None, mesh=None):
+def load_model(path: Path | None, dtype: str | None = None, mesh=None,
+               quantize: Quantization | None = None):
     """The model at ``path``; without one, the bundled model (``ConfigError`` if this install
     lacks it)."""
     from focus_jax.checkpoint import load
@@ -170,7 +192,8 @@ def load_model(path: Path | None, dtype: str | None = None, mesh=None):
     if path is None and not (BUNDLED_MODEL / "config.json").is_file():
         raise ConfigError(f"the bundled model is missing from this install ({BUNDLED_MODEL}): "
                           f"reinstall focus-jax, or pass --model PATH")
-    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh)
+    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh,
+                quantize=quantize)
 
 
 def format_stats(stats: RunStats, num_layers: int) -> str:
@@ -214,7 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     cache = _compile_cache(args)
     mesh = _mesh(args)
-    model = load_model(args.model, args.dtype, mesh)
+    model = load_model(args.model, args.dtype, mesh, _quantization(args))
     stream = len(prompts) == 1 and not args.no_stream and is_primary()
     printer = _StreamPrinter(model.tokenizer) if stream else None
     with count_compilations() as compiled:
@@ -260,7 +283,8 @@ class _StreamPrinter:
 def cmd_convert(args: argparse.Namespace) -> int:
     from focus_jax.checkpoint import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+                  quantize=args.quantize)
     print(f"wrote {out}")
     return 0
 
@@ -296,7 +320,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")
     modes = _modes(args.modes)
     _compile_cache(args)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, quantize=_quantization(args))
     reports = evaluate.evaluate(model, tasks.held_out(args.per_task, args.seed, tasks=names),
                                 modes, max_batch=args.max_batch,
                                 max_new_tokens=args.max_new_tokens, alpha=args.alpha,
@@ -335,7 +359,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rates = _positive_rates(args.request_rate) if args.request_rate else None
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
-    model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
+    quantization = _quantization(args)
+    model = (bench.random_model(args.geometry, quantization=quantization) if args.geometry
+             else load_model(args.model, quantize=quantization))
     peak = bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
@@ -368,11 +394,13 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                    "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
                    "mesh": args.mesh, "kernels": args.kernels,
                    "commit_refresh": args.commit_refresh,
+                   "quantize": args.quantize,
+                   "quantize_activations_from": args.quantize_activations_from,
                    "num_layers": model.config.num_layers,
                    "devices": jax.device_count()}
             yield row, (
-                f"{row['model']} bs{batch} {mode_label(r.mode, args.commit_refresh):8s} "
-                f"{r.tokens_per_second:8.1f} tok/s  "
+                f"{row['model']}{'' if args.quantize is None else ' ' + args.quantize} bs{batch} "
+                f"{mode_label(r.mode, args.commit_refresh):8s} {r.tokens_per_second:8.1f} tok/s  "
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
@@ -543,7 +571,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
     _compile_cache(args)  # before loading: on an accelerator the loader compiles its conversions
     began = time.perf_counter()
-    model = load_model(args.model, args.dtype, mesh)
+    model = load_model(args.model, args.dtype, mesh, _quantization(args))
     jax.block_until_ready(model.params)
     print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
           file=sys.stderr, flush=True)
@@ -592,6 +620,7 @@ def _compile_check(args: argparse.Namespace) -> int:
     from focus_jax import compile_check, tpu
     from focus_jax.config import ModelConfig
     from focus_jax.models import geometry
+    from focus_jax.quant import check_platform
 
     if (args.geometry is None) == (args.model is None):
         raise ConfigError("give one of --geometry NAME or --model PATH")
@@ -599,6 +628,10 @@ def _compile_check(args: argparse.Namespace) -> int:
         cfg = geometry(args.geometry, args.dtype or "bfloat16")
     else:
         cfg = ModelConfig.from_file(args.model / "config.json", dtype=args.dtype)
+    quantization = _quantization(args)
+    if quantization is not None:
+        check_platform(quantization, "tpu")
+        cfg = cfg.replace(quantization=quantization)
     ladder = ({"bucket_ladder": tuple(float(f) for f in args.bucket_ladder.split(","))}
               if args.bucket_ladder else {})
     # Sampling settings are per-slot arrays of the decode state: no option of theirs changes a
@@ -663,6 +696,7 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompts-file", help="a file with one prompt per line (with or instead of "
                                             "--prompt; default: none)")
     gen.add_argument("--no-stream", action="store_true", help="print at the end, not as it comes")
+    _add_quantize_options(gen)
     gen.set_defaults(func=cmd_generate)
 
 
@@ -674,6 +708,7 @@ def _add_convert_command(sub: argparse._SubParsersAction) -> None:
                       help="weights' dtype (default: the model's)")
     conv.add_argument("--overwrite", action="store_true",
                       help="replace the model folder at OUT_DIR (kept until the new one is complete)")
+    _add_quantize_options(conv, activations=False)
     conv.set_defaults(func=cmd_convert)
 
 
@@ -702,6 +737,7 @@ def _add_eval_command(sub: argparse._SubParsersAction) -> None:
                     help="also write every mode's numbers, per task and overall, to this file "
                          "(default: print only)")
     _add_compile_cache_option(ev)
+    _add_quantize_options(ev)
     ev.set_defaults(func=cmd_eval)
 
 
@@ -746,6 +782,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                     help="denoising steps per device round (admissions happen between rounds)")
     be.add_argument("--json", default=None,
                     help="write the rows (and MFU) to this file (default: print only)")
+    _add_quantize_options(be)
     _add_kernels_option(be)
     _add_compile_cache_option(be)
     _add_distribution_options(be)
@@ -840,6 +877,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                           "model; default: one device)")
     srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                      default="info", help="uvicorn's log level")
+    _add_quantize_options(srv)
     srv.set_defaults(func=cmd_serve)
 
 
@@ -875,6 +913,7 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
                     help="attention and importance kernels (default: the TPU's, pallas_tpu)")
     cc.add_argument("--hbm-gib", type=float, default=None,
                     help="HBM a program may use per chip (default: the chip's)")
+    _add_quantize_options(cc)
     cc.set_defaults(func=cmd_compile_check)
 
 

@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from focus_jax import compilation, decoding, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
-from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
+from focus_jax.config import ConfigError, GenerationConfig, ModelConfig, Quantization
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.runner import default_prefill_batch, prefill_rows, prompt_buckets, slot_positions
@@ -292,6 +292,12 @@ def format_report(report: ProgramReport) -> str:
             f"{100 * report.needed / report.hbm_bytes:5.0f}%  {report.flops / 1e12:8.2f}")
 
 
+def _quantized(q: Quantization) -> str:
+    activations = ("weights only" if q.activations_from is None else
+                   f"{q.weights} activations from {q.activations_from} rows")
+    return f"{q.weights} projections and experts ({activations})"
+
+
 def describe(target: Target) -> str:
     """What is compiled for which slice, and what stays in memory between programs."""
     cfg, kept, chips = target.cfg, resident(target), target.chips
@@ -300,7 +306,9 @@ def describe(target: Target) -> str:
         f"{target.topology.name}: {target.topology.chips} x {target.topology.chip.device_kind}, "
         f"{_gib(target.hbm_bytes)} GiB HBM per chip; mesh data={target.data},expert={target.expert},"
         f"model={target.model}",
-        f"model: {cfg.num_params / 1e9:.2f}B parameters in {cfg.dtype}; batch {target.slots} x "
+        f"model: {cfg.num_params / 1e9:.2f}B parameters in {cfg.dtype}"
+        f"{'' if cfg.quantization is None else ', ' + _quantized(cfg.quantization)}; "
+        f"batch {target.slots} x "
         f"{target.positions} positions, block {target.block_size}, mode "
         f"{target.generation.mode}, kernels {target.kernels}, "
         f"{len(target.generation.ladder_for('tpu'))}-bucket ladder",

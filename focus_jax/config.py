@@ -128,6 +128,49 @@ class MoEConfig:
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
 
 
+QUANTIZED_TYPES = ("int8", "fp8")
+"""Weight types of quantized models: int8 (symmetric) and FP8 (e4m3), each with a scale per
+output channel."""
+QUANT_METHOD = "focus_jax"
+"""``quant_method`` in the ``quantization_config`` of a folder focus_jax quantized."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """8-bit weights for the projections and the experts (embedding, LM head, norms and router
+    stay in the model's dtype; the KV cache too).
+
+    ``weights``: ``int8`` or ``fp8``, quantized per output channel (one scale per output feature,
+    per layer and per expert). ``activations_from``: also quantize the activations, per token and
+    dynamically, to the weights' type in every projection of at least that many rows (a bucket of
+    the compaction ladder), so that the product runs on 8-bit tensor cores; ``None``: weights
+    only, dequantized in the matmul. The experts always run weights only.
+    """
+
+    weights: str
+    activations_from: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights not in QUANTIZED_TYPES:
+            raise ConfigError(f"quantize {self.weights!r} is not supported; choose from "
+                              f"{', '.join(QUANTIZED_TYPES)}")
+        if self.activations_from is not None:
+            check_integer("activations_from", self.activations_from, minimum=1)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` of a converted quantized folder (the
+        activations are a serving choice, not part of the checkpoint)."""
+        return {"quant_method": QUANT_METHOD, "weights": self.weights}
+
+    @classmethod
+    def from_hf_dict(cls, raw: Any) -> Quantization:
+        if not isinstance(raw, dict) or raw.get("quant_method") != QUANT_METHOD:
+            method = raw.get("quant_method") if isinstance(raw, dict) else raw
+            raise ConfigError(f"quantization_config {method!r} is not supported: focus_jax reads "
+                              f"the folders it quantized itself (focus-jax convert --quantize)")
+        return cls(raw.get("weights"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Geometry of a block-diffusion decoder: the Qwen3-style layers of SDAR, with a mixture of
@@ -155,6 +198,8 @@ class ModelConfig:
     """The share of each head's features that RoPE rotates (the first ones)."""
     moe: MoEConfig | None = None
     """The mixture of experts (None: every layer has a dense MLP)."""
+    quantization: Quantization | None = None
+    """8-bit weights (None: every weight in ``dtype``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -249,13 +294,19 @@ class ModelConfig:
         ``model_type`` names (:mod:`focus_jax.models`)."""
         from focus_jax.models import family
 
-        return family(raw.get("model_type")).config_from_hf(raw, dtype or hf_dtype(raw))
+        cfg = family(raw.get("model_type")).config_from_hf(raw, dtype or hf_dtype(raw))
+        if raw.get("quantization_config") is not None:
+            cfg = cfg.replace(quantization=Quantization.from_hf_dict(raw["quantization_config"]))
+        return cfg
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` dictionary that :meth:`from_hf_dict` reads back."""
         from focus_jax.models import family
 
-        return family(self.model_type).config_to_hf(self)
+        out = family(self.model_type).config_to_hf(self)
+        if self.quantization is not None:
+            out["quantization_config"] = self.quantization.to_hf_dict()
+        return out
 
     @classmethod
     def from_file(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:

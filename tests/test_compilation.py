@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import pytest
 
-from focus_jax import GenerationConfig
+from focus_jax import GenerationConfig, quant
 from focus_jax.compilation import count_compilations
 from focus_jax.decoding import DecodeState, step
 from focus_jax.engine import Engine, run_to_completion
@@ -135,22 +135,27 @@ def test_decode_round_temporaries_do_not_grow_with_depth():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's GPU dynamic-slice fusion")
+@pytest.mark.parametrize("quantize", [None, "int8", "fp8"])
 @pytest.mark.parametrize("mode", ["baseline", "focus"])
-def test_gpu_layer_loop_reads_weights_in_place(mode):
+def test_gpu_layer_loop_reads_weights_in_place(mode, quantize):
     """On GPUs (compilation.GPU_COMPILER_OPTIONS) the layer loop of layers >= 2 copies no layer's
     weights out of the stack: each slice at the loop's layer index (a dynamic slice) lives in a
     dynamic-slice fusion, the operand of the GEMM that reads it in place (a concatenation, such
     as XLA's dot merger, now off in those options, makes of projections sharing their input, is
     tolerated). (Layers 0-1, at constant indices inside the bucket switches, are not covered:
-    their slices are copied.)"""
+    their slices are copied.) With 8-bit weights (``quantize``), each 8-bit weight is read in
+    place as well: the dequantization belongs to the GEMM, not to a copy."""
     model = tiny_model(seed=0, num_layers=4, hidden_size=256, intermediate_size=512,
                        num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    model = model if quantize is None else quant.quantize(model, quantize)
     config = GenerationConfig(mode=mode, block_size=8, max_new_tokens=8, stop_token_ids=())
     engine = Engine(model, config, slots=8, cache_len=128)
     text = engine.lower_round().compile().as_text()
-    layer_matrices = {f"bf16[1,{','.join(map(str, x.shape[1:]))}]"
+    hlo_types = {"bfloat16": "bf16", "int8": "s8", "float8_e4m3fn": "f8e4m3fn"}
+    layer_matrices = {f"{hlo_types[x.dtype.name]}[1,{','.join(map(str, x.shape[1:]))}]"
                       for x in jax.tree.leaves(model.params)
-                      if x.ndim >= 3 and x.shape[0] == model.config.num_layers}
+                      if x.ndim >= 3 and x.shape[0] == model.config.num_layers
+                      and 1 not in x.shape[1:]}  # weights, not their scales
     computation, copied, in_place = "", [], 0
     for line in text.splitlines():
         if line and not line[0].isspace() and "{" in line:

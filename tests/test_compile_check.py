@@ -121,6 +121,23 @@ def test_compile_check_prints_every_program_and_succeeds(tiny_folder, capsys):
 
 
 @needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+def test_int8_weights_and_activations_compile_for_a_v5e_and_a_v6e_chip(tiny_folder, capsys,
+                                                                        topology):
+    """The issue's TPU path: int8 weights, and int8 activations (the v5e's fast int8 MXU) in
+    the round's full bucket; FP8 activations are refused before any compile."""
+    code = main(compile_check_cli(tiny_folder, "--topology", topology, "--prompt-buckets", "none",
+                                  "--quantize", "int8", "--quantize-activations-from", "32"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "int8 projections and experts (int8 activations from 32 rows)" in out
+    assert "all 1 programs compiled and fit" in out
+    assert main(compile_check_cli(tiny_folder, "--topology", topology, "--prompt-buckets", "none",
+                                  "--quantize", "fp8", "--quantize-activations-from", "32")) == 2
+    assert "TPUs before v7 lack" in capsys.readouterr().err
+
+
+@needs_libtpu
 def test_compile_check_fails_when_a_program_does_not_fit_the_chip(tiny_folder, capsys):
     code = main(compile_check_cli(tiny_folder, "--topology", "v6e:2x2", "--mesh", "data=2",
                                   "--prompt-buckets", "none", "--hbm-gib", "0.0001"))

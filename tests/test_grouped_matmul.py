@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import qwix
 
 from pallas_kernels.grouped_matmul import api, grouped_matmul, reference, tokamax_mosaic
 
@@ -136,6 +137,25 @@ def test_tokamax_capability_follows_platform_dtype_and_shape():
                                   pytest.param("xla", marks=GPU_MARKS)])
 def test_gpu_backends_match_reference(impl, case, dtype, out_dtype):
     check_against_reference(impl, case, dtype, out_dtype)
+
+
+@pytest.mark.parametrize("qtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("impl", [pytest.param("tokamax", marks=HOPPER_MARKS), "xla"])
+def test_8_bit_weights_multiply_as_their_dequantized_values(impl, qtype):
+    """8-bit experts (a scale per output channel and expert, docs/quantization.md): the product
+    of the bf16 rows with the weights as dequantized, padding rows zeros."""
+    rows, k, n, sizes = CASES["mixed"]
+    lhs, rhs, group_sizes = inputs(rows, k, n, sizes, jnp.bfloat16)
+    weights = qwix.quantize(rhs, qtype, channelwise_axes=(0, 2))
+    got = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl=impl,
+                                                 preferred_element_type=jnp.float32))(
+        lhs, weights, group_sizes)
+    want = reference.grouped_matmul(lhs, qwix.dequantize(weights), group_sizes,
+                                    preferred_element_type=jnp.float32)
+    used = sum(sizes)
+    np.testing.assert_allclose(np.asarray(got)[:used], np.asarray(want)[:used], rtol=2e-2,
+                               atol=2e-2)
+    np.testing.assert_array_equal(np.asarray(got)[used:], 0.0)
 
 
 @pytest.mark.gpu

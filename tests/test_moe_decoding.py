@@ -12,6 +12,7 @@ from focus_jax import GenerationConfig, generate
 from focus_jax.compilation import count_compilations
 from focus_jax.config import MoEConfig
 from focus_jax.engine import Engine, run_to_completion
+from focus_jax.model import Model
 from focus_jax.models.moe import route, run_experts
 from focus_jax.testing import random_prompts, tiny_model
 from tests.reference_decoder import reference_decode
@@ -24,12 +25,33 @@ LLADA2 = MoEConfig(num_experts=16, experts_per_token=4, expert_size=32, dense_la
                    expert_bias=True, shared_expert_size=32)
 
 
+def llada2_model() -> Model:
+    """The LLaDA2-style tiny mixture: groups, expert bias, a shared expert, a dense layer and
+    partial rotary."""
+    return tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=LLADA2,
+                      partial_rotary_factor=0.5)
+
+
+def serves_without_compiling(model: Model) -> dict:
+    """Warm an engine of 4 slots up, then serve 10 random prompts: the results, after checking
+    that serving compiled nothing."""
+    config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, max_new_tokens=12,
+                              alpha=1.0, bucket_ladder=LADDER)
+    engine = Engine(model, config, slots=4, cache_len=64)
+    engine.warmup()
+    with count_compilations() as serving:
+        for prompt in random_prompts(10, 128, 1, 30, seed=21):
+            engine.add_request(prompt)
+        results = run_to_completion(engine)
+    assert len(results) == 10 and serving.programs == 0
+    return results
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "llada2_moe"])
 def moe_model(request):
     if request.param == "qwen3_moe":
         return tiny_model(seed=0, scale=4.0, model_type="qwen3_moe", moe=QWEN3_MOE)
-    return tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=LLADA2,
-                      partial_rotary_factor=0.5)
+    return llada2_model()
 
 
 def test_cached_baseline_matches_uncached_reference(moe_model):
@@ -64,19 +86,8 @@ def test_focus_with_huge_alpha_matches_delayed_and_a_small_alpha_evicts(moe_mode
 
 
 def test_long_run_compiles_nothing_after_warmup():
-    # LLaDA2-style: groups, bias, shared expert and a dense layer (the Qwen3-MoE fixture's
-    # programs differ only in the router).
-    moe_model = tiny_model(seed=1, scale=4.0, model_type="llada2_moe", moe=LLADA2,
-                           partial_rotary_factor=0.5)
-    config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, max_new_tokens=12,
-                              alpha=1.0, bucket_ladder=LADDER)
-    engine = Engine(moe_model, config, slots=4, cache_len=64)
-    engine.warmup()
-    with count_compilations() as serving:
-        for prompt in random_prompts(10, 128, 1, 30, seed=21):
-            engine.add_request(prompt)
-        results = run_to_completion(engine)
-    assert len(results) == 10 and serving.programs == 0
+    # LLaDA2-style (the Qwen3-MoE fixture's programs differ only in the router).
+    serves_without_compiling(llada2_model())
 
 
 @pytest.mark.parametrize("moe", [QWEN3_MOE, LLADA2])

@@ -34,6 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax.config import ModelConfig
 from focus_jax.models.layers import MLP, Attention, RMSNorm, embedding_lookup, init, param
+from focus_jax.models.matmul import project
 from focus_jax.models.moe import MoE
 
 
@@ -225,8 +226,11 @@ class Decoder(nnx.Module):
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """Final norm and LM head; logits in float32."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.matmul(self.norm(x), w, preferred_element_type=jnp.float32)
+        if self.lm_head is None:
+            return project("...e,ve->...v", self.norm(x), self.embed,
+                           preferred_element_type=jnp.float32)
+        return project("...e,ev->...v", self.norm(x), self.lm_head,
+                       preferred_element_type=jnp.float32)
 
 
 def block_causal_mask(length: int, block_size: int) -> Array:

@@ -17,11 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from focus_jax.config import ModelConfig
-
-
-def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
-    """A parameter with logical axis names (placed by :mod:`focus_jax.sharding`)."""
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+from focus_jax.models.matmul import param, project, weight
 
 
 class RMSNorm(nnx.Module):
@@ -70,9 +66,12 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, h, kvh, d, dt = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.jnp_dtype)
-        self.qkv_proj = param(init(rngs, (e, kvh, h // kvh + 2, d), dt),
-                               ("embed", "kv_heads", "qkv", "head_dim"))
-        self.o_proj = param(init(rngs, (h, d, e), dt), ("heads", "head_dim", "embed"))
+        q = cfg.quantization
+        self.qkv_proj = weight(init(rngs, (e, kvh, h // kvh + 2, d), dt),
+                               ("embed", "kv_heads", "qkv", "head_dim"), ("embed",), q)
+        self.o_proj = weight(init(rngs, (h, d, e), dt), ("heads", "head_dim", "embed"),
+                             ("heads", "head_dim"), q)
+        self.quantization = nnx.static(q)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt, "head_dim")
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt, "head_dim")
         self.rope_theta = cfg.rope_theta
@@ -80,7 +79,7 @@ class Attention(nnx.Module):
 
     def qkv(self, x: Float[Array, "... n e"], positions: Int[Array, "... n"]):
         """Queries ``[..., n, H, D]``, keys and values ``[..., n, KVH, D]``, q/k normed and roped."""
-        fused = jnp.einsum("...e,ekgd->...kgd", x, self.qkv_proj[...])
+        fused = project("...e,ekgd->...kgd", x, self.qkv_proj, self.quantization)
         *lead, kvh, parts, d = fused.shape
         q = fused[..., :parts - 2, :].reshape(*lead, kvh * (parts - 2), d)  # head = kv * G + g
         k, v = fused[..., parts - 2, :], fused[..., parts - 1, :]
@@ -89,7 +88,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def output(self, attn: Float[Array, "... n h d"]) -> Float[Array, "... n e"]:
-        return jnp.einsum("...hd,hde->...e", attn, self.o_proj[...])
+        return project("...hd,hde->...e", attn, self.o_proj, self.quantization)
 
 
 class MLP(nnx.Module):
@@ -98,12 +97,16 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int | None = None):
         e, f, dt = cfg.hidden_size, width or cfg.intermediate_size, cfg.jnp_dtype
-        self.gate_up_proj = param(init(rngs, (e, 2, f), dt), ("embed", "gate_up", "mlp"))
-        self.down_proj = param(init(rngs, (f, e), dt), ("mlp", "embed"))
+        q = cfg.quantization
+        self.gate_up_proj = weight(init(rngs, (e, 2, f), dt), ("embed", "gate_up", "mlp"),
+                                   ("embed",), q)
+        self.down_proj = weight(init(rngs, (f, e), dt), ("mlp", "embed"), ("mlp",), q)
+        self.quantization = nnx.static(q)
 
     def __call__(self, x: Float[Array, "... e"]) -> Float[Array, "... e"]:
-        gate_up = jnp.einsum("...e,epf->...pf", x, self.gate_up_proj[...])
-        return (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ self.down_proj[...]
+        gate_up = project("...e,epf->...pf", x, self.gate_up_proj, self.quantization)
+        hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        return project("...f,fe->...e", hidden, self.down_proj, self.quantization)
 
 
 @jax.custom_vjp

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
+from qwix import QArray
 
 from focus_jax.config import ModelConfig, MoEConfig
 from focus_jax.models.layers import MLP, init, param
+from focus_jax.models.matmul import grouped, read, weight, weight_partition
 from pallas_kernels import sharding
-from pallas_kernels.grouped_matmul import grouped_matmul
 
 NORM_EPS = 1e-20
 """Added to the sum of a token's chosen scores before normalising them (LLaDA2's sigmoid scores
@@ -38,9 +39,11 @@ class MoE(nnx.Module):
         self.router = param(init(rngs, (e, x), jnp.float32), ("embed", "router"))
         self.expert_bias = (param(init(rngs, (x,), jnp.float32), ("router",))
                             if m.expert_bias else None)
-        self.gate_up_proj = param(init(rngs, (x, e, 2, f), dt),
-                                  ("expert", "embed", "gate_up", "expert_mlp"))
-        self.down_proj = param(init(rngs, (x, f, e), dt), ("expert", "expert_mlp", "embed"))
+        self.gate_up_proj = weight(init(rngs, (x, e, 2, f), dt),
+                                   ("expert", "embed", "gate_up", "expert_mlp"), ("embed",),
+                                   cfg.quantization)
+        self.down_proj = weight(init(rngs, (x, f, e), dt), ("expert", "expert_mlp", "embed"),
+                                ("expert_mlp",), cfg.quantization)
         self.shared = (MLP(cfg, rngs=rngs, width=m.shared_expert_size)
                        if m.shared_expert_size else None)
 
@@ -58,8 +61,8 @@ class MoE(nnx.Module):
         lead, e = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, e)
         experts, weights = self.route(rows)
-        routed = run_experts_sharded(mesh, rows, experts, weights, self.gate_up_proj[...],
-                                     self.down_proj[...], valid)
+        routed = run_experts_sharded(mesh, rows, experts, weights, read(self.gate_up_proj),
+                                     read(self.down_proj), valid)
         if self.shared is not None:
             routed = routed + self.shared(rows)
         return routed.reshape(*lead, e)
@@ -93,7 +96,7 @@ def route(m: MoEConfig, x: Float[Array, "n e"], router: Float[Array, "e x"],
 
 
 def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Float[Array, "n k"],
-                gate_up: Float[Array, "x e 2 f"], down: Float[Array, "x f e"],
+                gate_up: Float[Array, "x e 2 f"] | QArray, down: Float[Array, "x f e"] | QArray,
                 valid: Bool[Array, "n"] | None = None, *, pairs: Bool[Array, "n k"] | None = None,
                 out_dtype: jnp.dtype | None = None) -> Float[Array, "n e"]:
     """``sum_j weights[i, j] * expert_{experts[i, j]}(x[i])`` for every row: the ``n * k``
@@ -111,9 +114,9 @@ def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Flo
         weights = jnp.where(keep, weights, 0.0)
     order = jnp.argsort(pair_expert, stable=True)
     sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[pair_expert].add(1)[:num_experts]
-    h = grouped_matmul(x[order // k], gate_up.reshape(num_experts, e, 2 * f), sizes)
+    h = grouped(x[order // k], gate_up.reshape(num_experts, e, 2 * f), sizes)
     h = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
-    y = grouped_matmul(h, down, sizes, preferred_element_type=jnp.float32)
+    y = grouped(h, down, sizes, preferred_element_type=jnp.float32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = y[inverse].reshape(n, k, e)
     if keep is not None:
@@ -122,8 +125,9 @@ def run_experts(x: Float[Array, "n e"], experts: Int[Array, "n k"], weights: Flo
 
 
 def run_experts_sharded(mesh: Mesh | None, x: Float[Array, "n e"], experts: Int[Array, "n k"],
-                        weights: Float[Array, "n k"], gate_up: Float[Array, "x e 2 f"],
-                        down: Float[Array, "x f e"],
+                        weights: Float[Array, "n k"],
+                        gate_up: Float[Array, "x e 2 f"] | QArray,
+                        down: Float[Array, "x f e"] | QArray,
                         valid: Bool[Array, "n"] | None = None) -> Float[Array, "n e"]:
     """:func:`run_experts` with the experts split over ``mesh``'s ``expert`` axis and their
     width over ``model`` (where those axes are free and larger than one; else the function
@@ -148,6 +152,9 @@ def run_experts_sharded(mesh: Mesh | None, x: Float[Array, "n e"], experts: Int[
 
     P = PartitionSpec
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
-    run = sharding.manual(local, mesh, (P(), P(), P(), P(experts_axis, None, None, width_axis),
-                                        P(experts_axis, width_axis, None), P()), P())
+    run = sharding.manual(local, mesh, (P(), P(), P(),
+                                        weight_partition(gate_up, P(experts_axis, None, None,
+                                                                    width_axis)),
+                                        weight_partition(down, P(experts_axis, width_axis, None)),
+                                        P()), P())
     return run(x, experts, weights, gate_up, down, valid).astype(x.dtype)

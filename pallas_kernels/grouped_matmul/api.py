@@ -12,6 +12,7 @@ import logging
 import warnings
 
 import jax.numpy as jnp
+import qwix
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.dispatch import target_platform
@@ -24,7 +25,7 @@ Hopper GPUs and TPUs from v5 on (:mod:`pallas_kernels.grouped_matmul.tokamax_mos
 log = logging.getLogger(__name__)
 
 
-def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
+def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.QArray,
                    group_sizes: Int[Array, "g"], *, impl: str | None = None,
                    preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
     """Rows of ``lhs`` sorted by group times their group's ``rhs``: the mixture-of-experts
@@ -33,7 +34,9 @@ def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
     Rows ``[sum(group_sizes[:i]), sum(group_sizes[:i + 1]))`` multiply ``rhs[i]``; groups may
     be empty; rows at or past ``sum(group_sizes)`` (which must not exceed ``m``) are padding
     and come out as zeros from every backend. The result has ``preferred_element_type``
-    (default: the inputs' promoted dtype).
+    (default: the inputs' promoted dtype). ``rhs`` may be a qwix ``QArray`` (8-bit weights with
+    a scale per output channel, in the dtype of ``lhs``): tokamax's kernels dequantize it in
+    the kernel (Hopper: its weight-only kernel), XLA's ragged dot through qwix.
 
     ``impl``: ``xla`` or ``tokamax``; ``None`` picks tokamax's kernel on Hopper GPUs (bf16 or
     f16, ``k`` and ``n`` multiples of 64) and TPUs (bf16) where tokamax is installed, else

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import qwix
 from jaxtyping import Array, Bool, Float, Int
 
 
@@ -23,16 +24,19 @@ def valid_rows(group_sizes: Int[Array, "g"], rows: int) -> Bool[Array, "m"]:
     return jnp.arange(rows, dtype=jnp.int32) < jnp.sum(group_sizes.astype(jnp.int32))
 
 
-def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
+def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.QArray,
                    group_sizes: Int[Array, "g"], *,
                    preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
-    """``out[r] = lhs[r] @ rhs[group of r]``, zeros for padding rows.
+    """``out[r] = lhs[r] @ rhs[group of r]``, zeros for padding rows (a quantized ``rhs``:
+    its dequantized weight).
 
     Dense and wasteful on purpose (every row against every group, ``g * m * k`` memory): each
     row's ``lhs`` is placed in its group's slot of a one-hot ``[g, m, k]`` tensor, contracted
     with ``rhs`` over groups and ``k`` in float32. The result has ``preferred_element_type``
     (default: the inputs' promoted dtype).
     """
+    if isinstance(rhs, qwix.QArray):
+        rhs = qwix.dequantize(rhs)
     g = rhs.shape[0]
     one_hot = row_groups(group_sizes, lhs.shape[0])[None, :] == jnp.arange(g)[:, None]   # [g, m]
     placed = jnp.where(one_hot[:, :, None], lhs[None], 0).astype(jnp.float32)           # [g, m, k]

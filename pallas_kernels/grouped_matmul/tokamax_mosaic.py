@@ -31,6 +31,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import qwix
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.grouped_matmul.reference import valid_rows
@@ -122,7 +123,7 @@ def _one_pass(dtype: jnp.dtype) -> contextlib.AbstractContextManager:
     return jax.default_matmul_precision("default")
 
 
-def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
+def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.QArray,
                    group_sizes: Int[Array, "g"], *, platform: str,
                    preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
     """Contract in :func:`pallas_kernels.grouped_matmul.reference.grouped_matmul`; ``platform``

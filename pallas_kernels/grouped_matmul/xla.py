@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import qwix
 from jaxtyping import Array, Float, Int
 
 
-def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"],
+def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.QArray,
                    group_sizes: Int[Array, "g"], *,
                    preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
-    """Contract in :func:`pallas_kernels.grouped_matmul.reference.grouped_matmul`."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                              preferred_element_type=preferred_element_type)
+    """Contract in :func:`pallas_kernels.grouped_matmul.reference.grouped_matmul`; a quantized
+    ``rhs`` goes through qwix's ragged dot (dequantized into XLA's)."""
+    ragged_dot = qwix.ragged_dot if isinstance(rhs, qwix.QArray) else jax.lax.ragged_dot
+    return ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                      preferred_element_type=preferred_element_type)

@@ -1,0 +1,165 @@
+"""8-bit weights (docs/quantization.md): the quantized forward against float32, the FP8 products
+of 8-bit activations, quantized checkpoints, zero compiles while serving, clear errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+
+import focus_jax
+from focus_jax import ConfigError, bench, quant
+from focus_jax.cli import main
+from focus_jax.config import Quantization
+from focus_jax.model import Model, _logits
+from focus_jax.models.matmul import QTYPES
+from tests.test_moe_decoding import llada2_model, serves_without_compiling
+
+FIXTURES = Path(__file__).parent / "fixtures" / "parity"
+DENSE, MOE = FIXTURES / "qwen3_untied", FIXTURES / "sdar_moe_tiny"
+TOLERANCE = {"int8": 0.05, "fp8": 0.2}
+"""Largest relative RMS error of the logits against float32 (transformers' own) on the random
+tiny parity checkpoints: int8 rounds each weight to 1/127 of its channel's largest, FP8 e4m3 to
+3 mantissa bits (up to 1/16 of the weight itself), and the errors compound over the layers.
+Measured: int8 0.022-0.035, FP8 0.077-0.106 on the four parity checkpoints."""
+
+
+def reference(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The fixture's tokens and transformers' float32 logits at block size 4."""
+    saved = np.load(folder / "reference_logits.npz")
+    return saved["tokens"], saved["logits_b4"]
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def dequantized(model: Model, plain: Model) -> Model:
+    """``plain`` with every weight that ``model`` quantized replaced by its dequantized value."""
+    quantized = dict(nnx.to_flat_state(model.params))
+    _, state = nnx.split(nnx.clone(plain.module()))
+    for path, var in nnx.to_flat_state(state):
+        if (*path, "qvalue") in quantized:
+            q = qwix.QArray(quantized[(*path, "qvalue")].get_value(),
+                            quantized[(*path, "scale")].get_value(),
+                            qtype=quantized[(*path, "qvalue")].get_value().dtype)
+            var.set_value(qwix.dequantize(q))
+    return Model(plain.config, plain.graphdef, state)
+
+
+@pytest.mark.parametrize("folder", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_quantized_forward_is_the_dequantized_weights_forward_close_to_float32(folder, weights):
+    tokens, want = reference(folder)
+    plain = focus_jax.load(folder, dtype="float32", tokenizer=False)
+    model = focus_jax.load(folder, dtype="float32", tokenizer=False, quantize=weights)
+    stored = {var.get_value().dtype for _, var in nnx.to_flat_state(model.params)}
+    assert jnp.dtype(QTYPES[weights]) in stored
+    got = np.asarray(model.logits(tokens, 4))
+    # Weights only: exactly the product with the dequantized weights (the matmul's own error).
+    np.testing.assert_allclose(got, np.asarray(dequantized(model, plain).logits(tokens, 4)),
+                               rtol=1e-5, atol=1e-5)
+    assert relative_error(got, want) < TOLERANCE[weights]
+    assert relative_error(np.asarray(plain.logits(tokens, 4)), want) < 1e-5
+
+
+def fp8_products(model: Model, tokens: np.ndarray) -> int:
+    """How many dot products of the uncached forward take two FP8 operands."""
+    text = _logits.lower(model.graphdef, model.params, jnp.asarray(tokens), 4).as_text()
+    dots = [line.split("->")[0] for line in text.splitlines() if "stablehlo.dot_general" in line]
+    return sum(line.count("f8E4M3FN") == 2 for line in dots)
+
+
+def test_fp8_activations_make_fp8_products_from_their_row_threshold():
+    tokens, want = reference(DENSE)
+    plain = focus_jax.load(DENSE, dtype="float32", tokenizer=False)
+    rows = tokens.size  # the projections' rows: every token of the batch
+    at = quant.quantize(plain, Quantization("fp8", activations_from=rows))
+    above = quant.quantize(plain, Quantization("fp8", activations_from=rows + 1))
+    assert fp8_products(at, tokens) == 4  # q/k/v, output, gate/up and down: one layer body
+    assert fp8_products(above, tokens) == 0
+    assert relative_error(np.asarray(at.logits(tokens, 4)), want) < TOLERANCE["fp8"]
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_a_quantized_checkpoint_restores_the_same_weights(weights, tmp_path):
+    loaded = focus_jax.load(DENSE, dtype="float32", tokenizer=False, quantize=weights)
+    out = focus_jax.convert(DENSE, tmp_path / "converted", dtype="float32", quantize=weights)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "focus_jax", "weights": weights}
+    restored = focus_jax.load(out, tokenizer=False)
+    assert restored.config.quantization == Quantization(weights)
+    want = dict(nnx.to_flat_state(loaded.params))
+    for path, var in nnx.to_flat_state(restored.params):
+        np.testing.assert_array_equal(np.asarray(var.get_value()),
+                                      np.asarray(want[path].get_value()))
+        assert var.get_value().dtype == want[path].get_value().dtype
+    tokens, _ = reference(DENSE)
+    np.testing.assert_array_equal(np.asarray(restored.logits(tokens, 4)),
+                                  np.asarray(loaded.logits(tokens, 4)))
+
+
+def test_a_quantized_mixture_serves_without_compiling_after_warmup():
+    results = serves_without_compiling(quant.quantize(llada2_model(), "int8"))
+    assert all(len(r.token_ids) == 12 for r in results.values())
+
+
+def test_8_bit_activations_are_refused_where_they_would_not_be_faster():
+    with pytest.raises(ConfigError, match=r"fp8 activations are not served on CPUs.*fp8 weights "
+                                          r"alone run on any platform"):
+        focus_jax.load(DENSE, tokenizer=False, quantize=Quantization("fp8", activations_from=64))
+    with pytest.raises(ConfigError, match="TPUs before v7 lack"):
+        quant.check_platform(Quantization("fp8", activations_from=64), "tpu")
+    quant.check_platform(Quantization("int8", activations_from=64), "tpu")  # the v5e fast path
+    quant.check_platform(Quantization("fp8"), "cpu")  # weights only run anywhere
+
+
+def test_unsupported_quantizations_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="quantize 'int4' is not supported; choose from int8, "
+                                          "fp8"):
+        focus_jax.load(DENSE, tokenizer=False, quantize="int4")
+    out = focus_jax.convert(DENSE, tmp_path / "int8", quantize="int8")
+    with pytest.raises(ConfigError, match="already int8; load the unquantized checkpoint"):
+        focus_jax.load(out, tokenizer=False, quantize="fp8")
+    folder = tmp_path / "hf_fp8"
+    shutil.copytree(DENSE, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="quantization_config 'fp8' is not supported"):
+        focus_jax.load(folder, tokenizer=False)
+    assert main(["bench", "--geometry", "sdar-8b", "--quantize-activations-from", "64"]) == 2
+    assert "--quantize-activations-from needs --quantize" in capsys.readouterr().err
+
+
+def test_8_bit_experts_split_over_a_mesh_give_the_single_device_logits():
+    """The experts' 8-bit weights and scales are placed by their parameters' logical axes (a
+    scale is not split on its contracted axis) and enter the experts' ``shard_map`` with them."""
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(root / "tests/sharding/quantized.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["placed"] and row["max_difference"] < 1e-4, row
+
+
+def test_bench_runs_the_model_it_was_asked_to_quantize(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
+    monkeypatch.setattr(bench, "run", lambda model, *args, **kwargs: seen.append(model) or [])
+    assert main(["bench", "--batches", "1", "--quantize", "fp8"]) == 0  # the bundled model
+    [model] = seen
+    assert model.config.quantization == Quantization("fp8")
+    assert {var.get_value().dtype for _, var in nnx.to_flat_state(model.params)} >= {
+        jnp.dtype(jnp.float8_e4m3fn)}
