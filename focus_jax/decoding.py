@@ -26,12 +26,11 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax import interrupts, sharding
-from focus_jax.cache import KVCache
+from focus_jax.cache import ContiguousCache, KVCache
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
 from focus_jax.models.decoder import Decoder, Layer, forward
-from focus_jax.policies import CACHED, MASKED, UNMASKED, Eviction, Policies, RowSampling, kernel
-from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
+from focus_jax.policies import CACHED, MASKED, UNMASKED, Eviction, Policies, RowSampling
 from pallas_kernels.ragged_attention.reference import SlotLayout, slot_layout
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "RoundResults",
@@ -162,7 +161,7 @@ def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
         live=jnp.zeros((slots,), bool), prompt_len=zeros(), out_len=zeros(),
         sequence=jnp.full((slots, positions), mask_token_id, jnp.int32),
         params=SlotParams.empty(slots),
-        cache=KVCache.create(cfg, slots, positions),
+        cache=ContiguousCache.create(cfg, slots, positions),
     )
 
 
@@ -378,10 +377,8 @@ class _Layers:
         layer's kept rows, the eviction's processed ones, the head's candidates), and no row
         writes the cache here. ``layout``: the rows' slot layout, if computed once for several
         layers."""
-        attention = kernel(ragged_attention, ragged_attention_sharded, self.settings.kernels,
-                           self.settings.mesh)
-        attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
-                         block_size=self.block_size, layout=layout)
+        attn = cache.attend(q, rows, valid, layer_index, kv_len, block_size=self.block_size,
+                            impl=self.settings.kernels, mesh=self.settings.mesh, layout=layout)
         return layer.finish(x, attn, valid, self.settings.mesh)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the

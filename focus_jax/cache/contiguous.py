@@ -1,9 +1,5 @@
-"""The KV cache: one array for keys and one for values, ``[layers, slots, positions, KVH, D]``.
-
-A slot's position ``p`` holds the key and value of the token at absolute position ``p`` of the
-sequence in that slot. Writes name their rows by slot and position; a row whose slot is out of
-range (the padding rows of a bucket use ``slots``) is dropped, so padding never writes.
-"""
+"""The contiguous layout: one array for keys and one for values, ``[layers, slots, positions,
+KVH, D]``; every slot reserves all ``M`` positions."""
 
 from __future__ import annotations
 
@@ -11,19 +7,23 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax.config import ModelConfig
+from focus_jax.policies import kernel
+from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
+from pallas_kernels.ragged_attention.reference import SlotLayout
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class ContiguousCache:
     k: Float[Array, "layers slots positions kvh d"]
     v: Float[Array, "layers slots positions kvh d"]
 
     @classmethod
-    def create(cls, cfg: ModelConfig, slots: int, positions: int) -> KVCache:
+    def create(cls, cfg: ModelConfig, slots: int, positions: int) -> ContiguousCache:
         shape = (cfg.num_layers, slots, positions, cfg.num_kv_heads, cfg.head_dim)
         return cls(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype))
 
@@ -36,22 +36,36 @@ class KVCache:
         return self.k.shape[2]
 
     def write(self, layer: Int[Array, ""] | int, slot: Int[Array, "n"], position: Int[Array, "n"],
-              k: Float[Array, "n kvh d"], v: Float[Array, "n kvh d"]) -> KVCache:
+              k: Float[Array, "n kvh d"], v: Float[Array, "n kvh d"]) -> ContiguousCache:
         """Write one layer's rows; rows with ``slot >= slots`` are dropped."""
-        return KVCache(
+        return ContiguousCache(
             self.k.at[layer, slot, position].set(k.astype(self.k.dtype), mode="drop"),
             self.v.at[layer, slot, position].set(v.astype(self.v.dtype), mode="drop"),
         )
 
     def write_prefix(self, slot: Int[Array, "n"], length: Int[Array, "n"],
                      k: Float[Array, "layers n t kvh d"],
-                     v: Float[Array, "layers n t kvh d"]) -> KVCache:
+                     v: Float[Array, "layers n t kvh d"]) -> ContiguousCache:
         """Write positions ``[0, length)`` of every layer for each slot (prefill)."""
         t = k.shape[2]
         position = jnp.arange(t)
         keep = position[None, :] < length[:, None]
         target = jnp.where(keep, slot[:, None], self.slots)  # [n, t]; dropped where not kept
-        return KVCache(
+        return ContiguousCache(
             self.k.at[:, target, position[None, :]].set(k.astype(self.k.dtype), mode="drop"),
             self.v.at[:, target, position[None, :]].set(v.astype(self.v.dtype), mode="drop"),
         )
+
+    def attend(self, q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
+               layer: Int[Array, ""] | int, kv_len: Int[Array, "s"], *, block_size: int,
+               impl: str | None, mesh: Mesh | None,
+               layout: SlotLayout | None = None) -> Float[Array, "n h d"]:
+        """Ragged attention over the slots' rows of the cache (:class:`KVCache.attend`)."""
+        attention = kernel(ragged_attention, ragged_attention_sharded, impl, mesh)
+        return attention(q, rows, valid, self.k, self.v, layer, kv_len, block_size=block_size,
+                         layout=layout)
+
+    def specs(self, kv_heads: str | None) -> ContiguousCache:
+        """Slots over ``data``, KV heads over ``kv_heads``."""
+        spec = PartitionSpec(None, "data", None, kv_heads, None)
+        return ContiguousCache(spec, spec)
