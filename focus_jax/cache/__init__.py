@@ -15,9 +15,10 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax.cache.contiguous import ContiguousCache
+from focus_jax.cache.paged import PagedCache, assign_pages
 from pallas_kernels.ragged_attention.reference import SlotLayout
 
-__all__ = ["ContiguousCache", "KVCache"]
+__all__ = ["ContiguousCache", "KVCache", "PagedCache", "assign_pages"]
 
 
 class KVCache(Protocol):
@@ -39,10 +40,18 @@ class KVCache(Protocol):
         """Write one layer's rows; rows with ``slot >= S`` are dropped."""
         ...
 
-    def write_prefix(self, slot: Int[Array, "n"], length: Int[Array, "n"],
+    def write_prefix(self, slot: Int[Array, "n"], start: Int[Array, "n"], length: Int[Array, "n"],
                      k: Float[Array, "layers n t kvh d"],
                      v: Float[Array, "layers n t kvh d"]) -> Self:
-        """Write positions ``[0, length)`` of every layer for each slot (prefill)."""
+        """Write positions ``[start, length)`` of every layer for each slot (prefill): entry
+        ``i`` of ``k`` and ``v`` is position ``start + i``."""
+        ...
+
+    def read_prefix(self, slot: Int[Array, "n"],
+                    width: int) -> tuple[Float[Array, "layers n w kvh d"],
+                                         Float[Array, "layers n w kvh d"]]:
+        """Keys and values of positions ``[0, width)`` of every layer for each slot (a slot out
+        of range reads zeros)."""
         ...
 
     def attend(self, q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],

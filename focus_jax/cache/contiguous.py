@@ -43,18 +43,21 @@ class ContiguousCache:
             self.v.at[layer, slot, position].set(v.astype(self.v.dtype), mode="drop"),
         )
 
-    def write_prefix(self, slot: Int[Array, "n"], length: Int[Array, "n"],
+    def write_prefix(self, slot: Int[Array, "n"], start: Int[Array, "n"], length: Int[Array, "n"],
                      k: Float[Array, "layers n t kvh d"],
                      v: Float[Array, "layers n t kvh d"]) -> ContiguousCache:
-        """Write positions ``[0, length)`` of every layer for each slot (prefill)."""
-        t = k.shape[2]
-        position = jnp.arange(t)
-        keep = position[None, :] < length[:, None]
-        target = jnp.where(keep, slot[:, None], self.slots)  # [n, t]; dropped where not kept
+        """Write positions ``[start, length)`` of every layer for each slot (prefill)."""
+        position = start[:, None] + jnp.arange(k.shape[2])
+        target = jnp.where(position < length[:, None], slot[:, None], self.slots)  # else dropped
         return ContiguousCache(
-            self.k.at[:, target, position[None, :]].set(k.astype(self.k.dtype), mode="drop"),
-            self.v.at[:, target, position[None, :]].set(v.astype(self.v.dtype), mode="drop"),
+            self.k.at[:, target, position].set(k.astype(self.k.dtype), mode="drop"),
+            self.v.at[:, target, position].set(v.astype(self.v.dtype), mode="drop"),
         )
+
+    def read_prefix(self, slot: Int[Array, "n"], width: int) -> tuple[Array, Array]:
+        """Positions ``[0, width)`` of every layer for each slot ``[L, n, width, KVH, D]``."""
+        return tuple(a[:, :, :width].at[:, slot].get(mode="fill", fill_value=0)
+                     for a in (self.k, self.v))
 
     def attend(self, q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
                layer: Int[Array, ""] | int, kv_len: Int[Array, "s"], *, block_size: int,

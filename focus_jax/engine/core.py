@@ -19,11 +19,12 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from focus_jax import decoding, sharding
+from focus_jax.cache.pages import PagePool
 from focus_jax.compaction import bucket_ladder
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunStats
 from focus_jax.engine.params import RequestError, SamplingParams
-from focus_jax.engine.runner import Runner, default_prefill_batch, slot_positions
+from focus_jax.engine.runner import Runner, default_prefill_batch, pool_pages, slot_positions
 from focus_jax.engine.scheduler import Request, Scheduler
 from focus_jax.interrupts import Interrupt
 from focus_jax.model import Model
@@ -79,11 +80,18 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
                                         slots, devices[0].platform, mesh)
+        pages = None
+        if config.kv_cache == "paged":
+            if mesh is not None and mesh.shape["data"] > 1:
+                raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: "
+                                  "use a mesh without one (data=1) or kv_cache='contiguous'")
+            pages = pool_pages(model, config, block, slots, self.cache_len, devices, mesh)
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or default_prefill_batch(slots),
-                             steps_per_round=config.steps_per_round, mesh=mesh)
+                             steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
         self.model = self.runner.model
-        self.scheduler = Scheduler(slots, self.cache_len, block)
+        self.scheduler = Scheduler(slots, self.cache_len, block,
+                                   pool=None if pages is None else PagePool(pages))
         self.output = OutputProcessor(model.tokenizer if detokenize else None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -171,6 +179,8 @@ class Engine:
             outputs += [self._final(r, "error", str(err)) for r, err in refused]
         if admitted:
             with self.stats.timed("prefill_seconds"):
+                if self.scheduler.pool is not None:
+                    self.runner.assign_pages(admitted)
                 for batch in self.scheduler.batches(admitted, self.runner.prefill_batch):
                     self.runner.prefill(batch)
                 jax.block_until_ready(self.runner.state)

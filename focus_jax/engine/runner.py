@@ -10,12 +10,13 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from focus_jax import compilation, decoding, interrupts, sharding
-from focus_jax.config import ConfigError
+from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.distributed import to_host
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.scheduler import Request
@@ -68,16 +69,18 @@ def prefill_rows(prefill_batch: int) -> tuple[int, ...]:
 class Runner:
     """The decode state of ``slots`` slots of ``cache_len`` positions, and the programs that
     change it. The state is allocated already sharded over ``mesh`` (slots and cache over
-    ``data``, KV heads over ``model``)."""
+    ``data``, KV heads over ``model``). ``pages``: a paged KV cache of that many pages (the
+    host hands slots their pages: :meth:`assign_pages`); ``None``: the contiguous cache."""
 
     def __init__(self, model: Model, settings: decoding.DecodeSettings, *, slots: int,
                  cache_len: int, prefill_batch: int, steps_per_round: int,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, pages: int | None = None):
         cfg = model.config
         self.settings, self.slots, self.cache_len = settings, slots, cache_len
         self.prefill_batch, self.steps_per_round = prefill_batch, steps_per_round
+        self.pages = pages
         make_state = functools.partial(decoding.init_state, cfg, slots, cache_len,
-                                       settings.block_size, settings.mask_token_id)
+                                       settings.block_size, settings.mask_token_id, pages)
         shapes = jax.eval_shape(make_state)
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
@@ -89,14 +92,15 @@ class Runner:
         else:
             placed = SingleDeviceSharding(devices[0])
         self.state = compilation.PROGRAMS.get(
-            ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, placed),
+            ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, pages,
+             placed),
             lambda: jax.jit(make_state, out_shardings=placed))()
         self.model = model
         platform = devices[0].platform
         self._prefill = compilation.prefill_program(platform, model.graphdef, settings, slots,
-                                                    cache_len)
+                                                    cache_len, pages)
         self._round = compilation.decode_round_program(platform, model.graphdef, settings,
-                                                       steps_per_round, slots, cache_len)
+                                                       steps_per_round, slots, cache_len, pages)
         self._release = compilation.release_program
         self._platform = platform
         self.interrupt = interrupts.Interrupt()
@@ -137,6 +141,17 @@ class Runner:
         padded = np.full((self.slots,), self.slots, np.int32)
         padded[:len(slots)] = slots
         self.state = self._release(self.state, padded)
+
+    def assign_pages(self, requests: Sequence[Request]) -> None:
+        """Write the page-table rows of the requests' slots (a paged cache): each request's
+        pages in position order (``Request.pages``)."""
+        width = self.cache_len // self.settings.block_size
+        slot_ids = np.full((self.slots,), self.slots, np.int32)  # padding rows: dropped
+        table = np.full((self.slots, width), self.pages, np.int32)
+        for row, request in enumerate(requests):
+            slot_ids[row] = request.slot
+            table[row, :len(request.pages)] = request.pages
+        self.state = compilation.set_pages_program(self.state, slot_ids, table)
 
     def decode_round(self, stop_on_finish: bool, steps: int | None = None,
                      stop_on_first_output: bool = False) -> decoding.RoundResults:
@@ -186,8 +201,45 @@ class Runner:
         for rows in padding:
             self._run_prefill(*rows)
         self.release([])
+        if self.pages is not None:
+            self.assign_pages([])
         self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
+
+
+KV_MEMORY_FRACTION = 0.85
+"""The share of the device memory left after the weights that a paged cache's pool takes when
+it is not sized explicitly: the rest holds the programs' temporaries."""
+
+
+def pool_pages(model: Model, config: GenerationConfig, block_size: int, slots: int,
+               cache_len: int, devices: Sequence[jax.Device], mesh: Mesh | None) -> int:
+    """Pages in a paged cache's pool: ``config.kv_pages``; else as many as
+    ``config.kv_cache_memory`` bytes per device hold; else ``KV_MEMORY_FRACTION`` of the memory
+    left after the weights on the fullest device; on devices that do not report their memory
+    (CPUs), as many as a contiguous cache of ``slots`` x ``cache_len`` positions."""
+    if config.kv_pages is not None:
+        return config.kv_pages
+    cfg = model.config
+    heads_per_device = cfg.num_kv_heads // (mesh.shape["model"] if mesh is not None else 1)
+    page_bytes = (2 * cfg.num_layers * block_size * heads_per_device * cfg.head_dim
+                  * jnp.dtype(cfg.jnp_dtype).itemsize)
+    memory = config.kv_cache_memory
+    if memory is None:
+        own = [d for d in devices if d.process_index == jax.process_index()]
+        stats = [d.memory_stats() for d in own]
+        if not stats or any(not s or "bytes_limit" not in s for s in stats):
+            return slots * (cache_len // block_size)
+        weights = sharding.bytes_per_device(
+            model.params, None if mesh is None else sharding.param_shardings(model.params, mesh))
+        memory = int(KV_MEMORY_FRACTION * min(
+            s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(model.params, d)
+            - weights for d, s in zip(own, stats, strict=True)))
+    pages = memory // page_bytes
+    if pages < 1:
+        raise ConfigError(f"the KV cache's memory ({_size(memory)} per device) holds no page of "
+                          f"{_size(page_bytes)}: give it more (kv_cache_memory)")
+    return pages
 
 
 def check_memory_fits(params: nnx.State, state: decoding.DecodeState,

@@ -1,0 +1,117 @@
+"""The paged KV cache: the same keys, values and attention as the contiguous layout through the
+cache interface, the same tokens through the engine, admission by free pages."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from focus_jax import GenerationConfig, generate
+from focus_jax.cache import ContiguousCache, PagedCache, assign_pages
+from focus_jax.engine import Engine, RequestError, SamplingParams, run_to_completion
+from focus_jax.testing import random_prompts, tiny_config, tiny_model
+from tests.test_moe_decoding import QWEN3_MOE
+
+THRESHOLD = 0.04
+LADDER = (0.25, 1.0)
+
+
+def test_paged_writes_and_attention_equal_the_contiguous_cache_with_pages_in_any_order():
+    """Slots hold their pages out of order, one page is listed by two slots (a shared prefix
+    both write with the same values), and table entries past a slot's length are holes; every
+    write and the attention over the compacted rows read back as in the contiguous cache."""
+    cfg = tiny_config()
+    slots, block, positions = 3, 4, 16
+    rng = np.random.default_rng(0)
+    contiguous = ContiguousCache.create(cfg, slots, positions)
+    paged = PagedCache.create(cfg, slots, positions, block, pages=10)
+    hole = 10  # no page
+    # Slot 2's third entry lies past its length and names no page either: it is never read.
+    table = np.asarray([[7, 2, 9, 4], [7, 0, hole, hole], [5, 1, 99, 3]], np.int32)
+    paged = assign_pages(paged, jnp.asarray([0, 1, 2, 3]), jnp.asarray([*table, table[0]]))
+    kv_shape = (cfg.num_layers, slots, 12, cfg.num_kv_heads, cfg.head_dim)
+    k, v = (jnp.asarray(rng.normal(size=kv_shape), jnp.float32) for _ in range(2))
+    k, v = k.at[:, 1, :4].set(k[:, 0, :4]), v.at[:, 1, :4].set(v[:, 0, :4])  # the shared page
+    prompt = jnp.asarray([12, 7, 4])
+    slot = jnp.asarray([0, 1, 2])
+    start = jnp.zeros_like(slot)
+    contiguous = contiguous.write_prefix(slot, start, prompt, k, v)
+    paged = paged.write_prefix(slot, start, prompt, k, v)
+    # A step's rows: the active blocks, some rows padding (slot 3 is out of range: dropped).
+    rows = jnp.asarray([0, 1, 4, 5, 6, 8, 9, 0])
+    valid = jnp.asarray([True, True, True, True, True, True, True, False])
+    row_slot = jnp.where(valid, rows // block, slots)
+    position = jnp.asarray([12, 13, 4, 5, 6, 4, 5, 0])
+    new_k, new_v = (jnp.asarray(rng.normal(size=(8, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+                    for _ in range(2))
+    for layer in range(cfg.num_layers):
+        contiguous = contiguous.write(layer, row_slot, position, new_k, new_v)
+        paged = paged.write(layer, row_slot, position, new_k, new_v)
+    kv_len = jnp.asarray([14, 7, 6])
+    q = jnp.asarray(rng.normal(size=(8, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    for layer in range(cfg.num_layers):
+        want = contiguous.attend(q, rows, valid, layer, kv_len, block_size=block, impl="xla",
+                                 mesh=None)
+        got = paged.attend(q, rows, valid, layer, kv_len, block_size=block, impl="xla", mesh=None)
+        np.testing.assert_array_equal(np.asarray(got)[valid], np.asarray(want)[valid])
+    # Every written position reads back through the page table, and as a prefix of whole blocks.
+    for s in range(slots):
+        for p in range(int(kv_len[s])):
+            page = table[s, p // block]
+            np.testing.assert_array_equal(paged.k[:, page, p % block], contiguous.k[:, s, p])
+    for want, got in zip(contiguous.read_prefix(slot, 4), paged.read_prefix(slot, 4), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+PAGED_CASES = [("baseline", 4, "dense"), ("delayed", 8, "moe"), ("focus", 4, "moe"),
+               ("focus", 8, "dense")]
+
+
+@pytest.fixture(scope="module")
+def models(model):
+    return {"dense": model, "moe": tiny_model(seed=0, scale=4.0, model_type="qwen3_moe",
+                                              moe=QWEN3_MOE)}
+
+
+@pytest.mark.parametrize(("mode", "block", "kind"), PAGED_CASES)
+def test_paged_decoding_equals_contiguous_token_for_token(models, mode, block, kind):
+    """Prompts of different lengths through two slots and a pool of pages for a little more than
+    one request's worst case: requests wait for pages, finish, and new ones take their pages;
+    the tokens and step counts are those of the contiguous cache."""
+    model = models[kind]
+    prompts = [*random_prompts(4, 128, 2, 3 * block - 1, seed=block),
+               random_prompts(1, 128, 2 * block, 2 * block, seed=7)[0]]
+    config = GenerationConfig(mode=mode, block_size=block, threshold=THRESHOLD,
+                              bucket_ladder=LADDER, max_new_tokens=3 * block, max_batch=2,
+                              max_cache_len=8 * block, stop_token_ids=())
+    want = generate(model, prompts, config)
+    pages = 8  # the longest request's worst case (6 blocks) and a little
+    engine = Engine(model, config.replace(kv_cache="paged", kv_pages=pages))
+    ids = [engine.add_request(p) for p in prompts]
+    results, held, waited_for_pages = {}, {}, False
+    while engine.has_unfinished():
+        results |= {out.request_id: out.result() for out in engine.step() if out.finished}
+        held |= {r.rid: r.pages for r in engine.scheduler.running.values()}
+        waited_for_pages |= engine.num_waiting > 0 and engine.num_running < 2
+    assert [results[i].token_ids for i in ids] == [r.token_ids for r in want]
+    assert [results[i].stats.decoded_per_step for i in ids] == [
+        r.stats.decoded_per_step for r in want]
+    assert waited_for_pages
+    taken = [p for pages in held.values() for p in pages]
+    assert set(taken) == set(range(pages)) and len(taken) > pages  # pages were reused
+    assert engine.scheduler.pool.available == pages  # every page back
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_and_one_that_fits_waits(model):
+    config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
+                              max_new_tokens=8, kv_cache="paged", kv_pages=5, stop_token_ids=(),
+                              steps_per_round=2)
+    engine = Engine(model, config, slots=2, cache_len=64)
+    with pytest.raises(RequestError, match=r"needs 6 pages of 4 positions, but the KV cache's "
+                                           r"pool has 5"):
+        engine.add_request(list(range(10, 23)))  # 13 + 8 tokens: 6 blocks
+    first = engine.add_request(list(range(10, 21)), SamplingParams(max_new_tokens=9))  # 5 blocks
+    second = engine.add_request(list(range(10, 14)))  # 3 blocks: waits for the first's pages
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    results = run_to_completion(engine)
+    assert set(results) == {first, second} and engine.scheduler.pool.available == 5
