@@ -81,12 +81,13 @@ class ProgramCache:
 PROGRAMS = ProgramCache(PROGRAM_CAPACITY)
 
 
-def _jit(fn: Callable, platform: str) -> Callable:
+def _jit(fn: Callable, platform: str, static_argnames: tuple[str, ...] = ()) -> Callable:
     if not _cache_checked:
         use_persistent_cache()
     options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
     # The decode state (argument 1) is donated: updated in place.
-    return jax.jit(fn, donate_argnums=(1,), compiler_options=options)
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=options,
+                   static_argnames=static_argnames)
 
 
 def prefill_program(platform: str, graphdef: nnx.GraphDef, settings: decoding.DecodeSettings,
@@ -108,6 +109,28 @@ def prefill_program(platform: str, graphdef: nnx.GraphDef, settings: decoding.De
         return _jit(prefill, platform)
 
     key = ("prefill", platform, graphdef, block, mask, settings.mesh, slots, cache_len, pages)
+    return PROGRAMS.get(key, make)
+
+
+def prefix_prefill_program(platform: str, graphdef: nnx.GraphDef,
+                           settings: decoding.DecodeSettings, slots: int, cache_len: int,
+                           pages: int | None) -> Callable:
+    """The jitted prefill of prompts that continue a cached prefix: ``(params, state, tokens [n,
+    p + c], length [n], start [n], slot [n], slot_params, *, computed=c) -> state``; each row's
+    positions ``[start, start + c)`` are run, attending to its cached positions before
+    ``start`` (``start <= p``). Compiles once per ``(n, p, c)``; kept like
+    :func:`prefill_program`."""
+    block, mask = settings.block_size, settings.mask_token_id
+
+    def make() -> Callable:
+        def prefill(params, state, tokens, length, start, slot, slot_params, *, computed):
+            return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot,
+                                    slot_params, block, mask, settings.mesh, start, computed)
+
+        return _jit(prefill, platform, static_argnames=("computed",))
+
+    key = ("prefix_prefill", platform, graphdef, block, mask, settings.mesh, slots, cache_len,
+           pages)
     return PROGRAMS.get(key, make)
 
 

@@ -115,3 +115,103 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_one_that_fits_waits(mo
     assert engine.num_running == 1 and engine.num_waiting == 1
     results = run_to_completion(engine)
     assert set(results) == {first, second} and engine.scheduler.pool.available == 5
+
+
+def test_a_cached_prefix_gives_the_same_tokens_and_only_the_uncached_blocks_are_prefilled(model):
+    """Requests that begin with the same three-block system prompt share its pages: each later
+    one prefills only its own blocks (none at all for the system prompt alone), and every
+    request's greedy tokens are those it gets without the cache."""
+    block = 4
+    system = random_prompts(1, 128, 3 * block, 3 * block, seed=50)[0]
+    questions = random_prompts(4, 128, 1, 2 * block + 3, seed=51)
+    prompts = [system + questions[0], *(system + q for q in questions[1:]), system]
+    config = GenerationConfig(mode="focus", block_size=block, threshold=THRESHOLD,
+                              bucket_ladder=LADDER, max_new_tokens=2 * block, stop_token_ids=(),
+                              max_batch=2, max_cache_len=16 * block)
+    want = [r.token_ids for r in generate(model, prompts, config)]
+    engine = Engine(model, config.replace(kv_cache="paged", prefix_caching=True))
+    first = engine.add_request(prompts[0])
+    engine.step()  # prefilled: its prompt blocks are in the prefix table from now on
+    rest = [engine.add_request(p) for p in prompts[1:]]
+    results = run_to_completion(engine)
+    assert [results[i].token_ids for i in [first, *rest]] == want
+    stats = engine.stats
+    assert [results[i].stats.cached_prompt_tokens for i in rest] == [3 * block] * len(rest)
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.cached_prompt_tokens == 3 * block * len(rest)
+    assert stats.prefilled_tokens == sum(len(p) // block * block for p in prompts) - 3 * block * len(rest)
+    assert stats.prefix_hit_rate == stats.cached_prompt_tokens / stats.prompt_tokens
+    pool = engine.scheduler.pool
+    assert pool.held == 0 and pool.available == pool.total and pool.cached >= 3
+
+
+def test_unheld_cached_pages_are_reclaimed_least_recently_released_first_and_held_ones_never():
+    from focus_jax.cache.pages import PagePool, block_hashes
+
+    pool = PagePool(6)
+    a, b, c = (block_hashes([i] * 8, 4) for i in (1, 2, 3))  # two blocks each
+    pages_a, pages_b, pages_c = pool.take(2), pool.take(2), pool.take(2)
+    for pages, hashes in ((pages_a, a), (pages_b, b), (pages_c, c)):
+        assert pool.register(pages, hashes) == 2
+    pool.release(pages_b)
+    pool.release(pages_a)  # b is the least recently released, then a; c stays held
+    assert pool.available == 4 and pool.match(a) == pages_a
+    assert pool.take(2) == pages_b  # b's pages are reclaimed first, and leave the table
+    assert pool.match(b) == [] and pool.match(a) == pages_a
+    shared = pool.match(a)
+    assert not pool.can_take(1, shared)  # holding a's pages leaves nothing to reclaim
+    assert pool.take(0, shared) == pages_a and pool.available == 0
+    with pytest.raises(RuntimeError, match="1 pages wanted, 0 available"):
+        pool.take(1)
+    pool.check()
+
+
+def test_random_add_abort_finish_keeps_the_page_pool_consistent():
+    """Requests from a few shared system prompts are added, admitted, aborted (waiting or
+    running) and finished in random order: a page is held twice only as a registered prompt
+    block at the same position of prompts with the same blocks up to it, and every page is
+    available again at the end."""
+    import random
+
+    from focus_jax.cache.pages import PagePool
+    from focus_jax.engine.params import SamplingParams as Params
+    from focus_jax.engine.scheduler import Request, Scheduler
+
+    block, rng = 4, random.Random(0)
+    pool = PagePool(40)
+    scheduler = Scheduler(slots=4, cache_len=64, block_size=block, pool=pool, prefix_caching=True)
+    systems = [[rng.randrange(10, 128) for _ in range(rng.randrange(0, 13))] for _ in range(3)]
+    rid, shared = 0, 0
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.4:
+            prompt = rng.choice(systems) + [rng.randrange(10, 128) for _ in range(rng.randrange(1, 9))]
+            scheduler.add(Request(rid, prompt, Params(max_new_tokens=rng.randrange(1, 20))))
+            rid += 1
+        elif action < 0.6:
+            for request in scheduler.admit()[0]:
+                scheduler.register_prompt(request)
+        elif action < 0.7 and (scheduler.waiting or scheduler.running):
+            victim = rng.choice([*scheduler.waiting, *scheduler.running.values()])
+            scheduler.abort(victim.rid)
+            for request in scheduler.take_aborted():
+                scheduler.finish(request)
+        elif scheduler.running:
+            scheduler.finish(rng.choice(list(scheduler.running.values())))
+        pool.check()
+        owners: dict[int, list[tuple[Request, int]]] = {}
+        for request in scheduler.running.values():
+            assert len(set(request.pages)) == len(request.pages)
+            for index, page in enumerate(request.pages):
+                owners.setdefault(page, []).append((request, index))
+        for held in owners.values():
+            if len(held) > 1:  # a shared prompt block: same position, same blocks up to it
+                shared += 1
+                (first, index), *others = held
+                assert all(i == index and r.block_hashes[index] == first.block_hashes[index]
+                           for r, i in others)
+                assert index < len(first.block_hashes)
+    for request in list(scheduler.running.values()):
+        scheduler.finish(request)
+    pool.check()
+    assert pool.held == 0 and pool.available == pool.total and rid > 100 and shared > 50

@@ -91,7 +91,8 @@ class Engine:
                              steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block,
-                                   pool=None if pages is None else PagePool(pages))
+                                   pool=None if pages is None else PagePool(pages),
+                                   prefix_caching=config.prefix_caching)
         self.output = OutputProcessor(model.tokenizer if detokenize else None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -187,6 +188,8 @@ class Engine:
             now = time.perf_counter()
             for request in admitted:
                 request.stats.admitted_time = now
+                self.scheduler.register_prompt(request)
+                self.output.record_prefill(request, self.block_size)
         if self.scheduler.running:
             with self.stats.timed("decode_seconds"):
                 short = self._short_rounds()

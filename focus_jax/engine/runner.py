@@ -101,6 +101,8 @@ class Runner:
                                                     cache_len, pages)
         self._round = compilation.decode_round_program(platform, model.graphdef, settings,
                                                        steps_per_round, slots, cache_len, pages)
+        self._prefix_prefill = compilation.prefix_prefill_program(
+            platform, model.graphdef, settings, slots, cache_len, pages)
         self._release = compilation.release_program
         self._platform = platform
         self.interrupt = interrupts.Interrupt()
@@ -123,14 +125,29 @@ class Runner:
             self._prefill_rows(batch, self.prefill_batch)
 
     def _prefill_rows(self, batch: Sequence[Request], n: int) -> None:
-        length = self.prompt_bucket(max(len(r.prompt) for r in batch))
-        tokens = np.full((n, length), self.settings.mask_token_id, np.int32)
-        lengths = np.ones((n,), np.int32)
+        """Prefill ``batch`` as ``n`` rows. Where a request shares cached prompt blocks
+        (``Request.cached_blocks``) only the positions after them are run: each row from its
+        own start, over the bucket of the longest such rest, reading the cached positions up to
+        the bucket of the largest start."""
+        starts = [r.cached_blocks * self.settings.block_size for r in batch]
+        if any(starts):
+            computed = self.prompt_bucket(max(len(r.prompt) - s
+                                              for r, s in zip(batch, starts, strict=True)))
+            width = self.prompt_bucket(max(starts)) + computed
+        else:
+            width = self.prompt_bucket(max(len(r.prompt) for r in batch))
+        tokens = np.full((n, width), self.settings.mask_token_id, np.int32)
+        lengths, start = np.ones((n,), np.int32), np.zeros((n,), np.int32)
         slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
         for row, request in enumerate(batch):
             tokens[row, :len(request.prompt)] = request.prompt
-            lengths[row], slot_ids[row] = len(request.prompt), request.slot
-        self._run_prefill(tokens, lengths, slot_ids, slot_params_rows([r.params for r in batch], n))
+            lengths[row], slot_ids[row], start[row] = len(request.prompt), request.slot, starts[row]
+        params = slot_params_rows([r.params for r in batch], n)
+        if any(starts):
+            self.state = self._prefix_prefill(self.model.params, self.state, tokens, lengths,
+                                              start, slot_ids, params, computed=computed)
+        else:
+            self._run_prefill(tokens, lengths, slot_ids, params)
 
     def _run_prefill(self, tokens: np.ndarray, lengths: np.ndarray, slot_ids: np.ndarray,
                      params: decoding.SlotParams) -> None:

@@ -32,6 +32,8 @@ class Request:
     """The pages it holds in position order (a paged cache), from admission to its end."""
     cached_blocks: int = 0
     """Leading prompt blocks whose pages it shares from the prefix table (not prefilled)."""
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    """The hash chain of its prompt's whole blocks (with prefix caching)."""
 
     @property
     def max_new_tokens(self) -> int:
@@ -128,16 +130,21 @@ class Scheduler:
         """Take the pages of the request's worst case, sharing its cached prompt blocks;
         False (nothing taken) if the pool cannot give them now."""
         blocks = self.positions_needed(len(request.prompt), request.max_new_tokens) // self.block_size
-        shared = self.pool.match(self.prompt_hashes(request)) if self.prefix_caching else []
+        if self.prefix_caching and not request.block_hashes:
+            request.block_hashes = block_hashes(request.prompt, self.block_size)
+        shared = self.pool.match(request.block_hashes) if self.prefix_caching else []
         if not self.pool.can_take(blocks - len(shared), shared):
             return False
         request.pages = self.pool.take(blocks - len(shared), shared)
         request.cached_blocks = len(shared)
         return True
 
-    def prompt_hashes(self, request: Request) -> list[bytes]:
-        """The hash chain of the blocks a request's prefill writes: its prompt's whole blocks."""
-        return block_hashes(request.prompt, self.block_size)
+    def register_prompt(self, request: Request) -> None:
+        """With prefix caching: the request's prompt blocks have been prefilled (the programs
+        that write them are queued before any that could read them), so later requests may
+        share their pages."""
+        if self.prefix_caching:
+            self.pool.register(request.pages, request.block_hashes)
 
     def finish(self, request: Request) -> None:
         """Free the request's slot and its pages."""
