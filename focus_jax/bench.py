@@ -168,6 +168,15 @@ class BenchResult(_Throughput):
     """Programs the warm-up compiled afresh."""
     warmup_loaded: int = 0
     """Programs the warm-up read from the persistent compilation cache."""
+    kv_cache: str = "contiguous"
+    kv_pages: int = 0
+    """Pages of a paged cache's pool (0: contiguous)."""
+    kv_pages_peak: int = 0
+    """The most pages requests held at once."""
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    prefix_hit_rate: float = 0.0
 
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation over the whole run (prefill and host time included)."""
@@ -222,7 +231,9 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
         prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
         compilations=compilations.programs, warmup_compiled=warmup.compiled,
-        warmup_loaded=warmup.loaded)
+        warmup_loaded=warmup.loaded, kv_cache=config.kv_cache, kv_pages=s.kv_pages,
+        kv_pages_peak=s.kv_pages_peak, prompt_tokens=s.prompt_tokens,
+        cached_prompt_tokens=s.cached_prompt_tokens, prefix_hit_rate=s.prefix_hit_rate)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -253,6 +264,10 @@ class OpenLoopResult(_Throughput):
     per_token: dict[str, float]
     latency: dict[str, float]
     compilations: int
+    kv_pages: int = 0
+    """Pages of a paged cache's pool (0: contiguous)."""
+    kv_pages_peak: int = 0
+    prefix_hit_rate: float = 0.0
 
 
 def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_tokens: int,
@@ -296,4 +311,5 @@ def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_to
         per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
                                for s, n in zip(stats, tokens, strict=True)]),
         latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
-        compilations=compilations.programs)
+        compilations=compilations.programs, kv_pages=engine.stats.kv_pages,
+        kv_pages_peak=engine.stats.kv_pages_peak, prefix_hit_rate=engine.stats.prefix_hit_rate)

@@ -215,3 +215,31 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent():
         scheduler.finish(request)
     pool.check()
     assert pool.held == 0 and pool.available == pool.total and rid > 100 and shared > 50
+
+
+def test_pages_and_prefix_hits_reach_the_stats_line_and_the_servers_metrics():
+    from types import SimpleNamespace
+
+    pytest.importorskip("prometheus_client")
+    from focus_jax.cache.pages import PagePool
+    from focus_jax.cli import format_stats
+    from focus_jax.engine import RequestStats, RunStats
+    from focus_jax.serve.metrics import ServerMetrics
+
+    stats = RunStats(prompt_tokens=40, cached_prompt_tokens=30, prefilled_tokens=8, kv_pages=64,
+                     kv_pages_peak=20)
+    line = format_stats(stats, num_layers=4).splitlines()[-1]
+    assert line == ("prompt tokens 40, 30 from the prefix cache (hit rate 75.0%), 8 prefilled; "
+                    "KV pages: at most 20 used of 64 (44 free then)")
+    pool = PagePool(64)
+    pool.take(5)
+    engine = SimpleNamespace(num_waiting=0, num_running=1, engine=SimpleNamespace(
+        slots=4, stats=stats, scheduler=SimpleNamespace(pool=pool)))
+    metrics = ServerMetrics(engine)
+    out = SimpleNamespace(prompt_tokens=40, stats=RequestStats(cached_prompt_tokens=32))
+    metrics.finished("stop", out, completion_tokens=3, latency=1.0)
+    text = metrics.exposition().decode()
+    for sample in ("focus_jax_kv_pages_used 5.0", "focus_jax_kv_pages_total 64.0",
+                   "focus_jax_prefix_cache_hit_tokens_total 32.0",
+                   "focus_jax_prompt_tokens_total 40.0"):
+        assert sample + "\n" in text

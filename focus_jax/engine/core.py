@@ -190,6 +190,9 @@ class Engine:
                 request.stats.admitted_time = now
                 self.scheduler.register_prompt(request)
                 self.output.record_prefill(request, self.block_size)
+            if self.scheduler.pool is not None:
+                self.stats.kv_pages = self.scheduler.pool.total
+                self.stats.kv_pages_peak = max(self.stats.kv_pages_peak, self.scheduler.pool.held)
         if self.scheduler.running:
             with self.stats.timed("decode_seconds"):
                 short = self._short_rounds()

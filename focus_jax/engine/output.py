@@ -131,6 +131,10 @@ class RunStats:
     """Of those, the ones whose KV came from the prefix cache (shared pages)."""
     prefilled_tokens: int = 0
     """Prompt positions whose KV prefill computed and wrote (whole blocks not cached)."""
+    kv_pages: int = 0
+    """Pages of a paged KV cache's pool (0: the contiguous cache)."""
+    kv_pages_peak: int = 0
+    """The most pages requests held at once."""
 
     @property
     def prefix_hit_rate(self) -> float:
