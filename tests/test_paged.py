@@ -243,3 +243,21 @@ def test_pages_and_prefix_hits_reach_the_stats_line_and_the_servers_metrics():
                    "focus_jax_prefix_cache_hit_tokens_total 32.0",
                    "focus_jax_prompt_tokens_total 40.0"):
         assert sample + "\n" in text
+
+
+@pytest.mark.parametrize("where", ["tpu_kernel_in_the_interpreter", "one_device_mesh"])
+def test_paged_decoding_with_the_tpu_kernel_or_on_a_mesh_equals_the_xla_path(model, where):
+    """The decode step through the paged TPU kernel (in the Pallas interpreter), and through
+    the sharded entry point with the state placed on a mesh, gives the XLA reference's tokens."""
+    from focus_jax.sharding import make_mesh
+
+    prompts = random_prompts(3, 128, 2, 12, seed=3)
+    config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
+                              max_new_tokens=8, stop_token_ids=(), bucket_ladder=(0.5, 1.0),
+                              kv_cache="paged")
+    xla = [r.token_ids for r in generate(model, prompts, config.replace(kernels="xla"))]
+    if where == "one_device_mesh":
+        other = generate(model, prompts, config, mesh=make_mesh(1, 1))
+    else:
+        other = generate(model, prompts, config.replace(kernels="pallas_tpu_interpret"))
+    assert [r.token_ids for r in other] == xla

@@ -97,11 +97,10 @@ class PagedCache:
                layer: Int[Array, ""] | int, kv_len: Int[Array, "s"], *, block_size: int,
                impl: str | None, mesh: Mesh | None,
                layout: SlotLayout | None = None) -> Float[Array, "n h d"]:
-        """Ragged paged attention over the slots' pages (:class:`KVCache.attend`; the XLA
-        reference derives no slot layout, so ``layout`` goes unused)."""
+        """Ragged paged attention over the slots' pages (:class:`KVCache.attend`)."""
         attention = kernel(paged_attention, paged_attention_sharded, impl, mesh)
         return attention(q, rows, valid, self.k, self.v, self.page_table, layer, kv_len,
-                         block_size=block_size)
+                         block_size=block_size, layout=layout)
 
     def specs(self, kv_heads: str | None) -> PagedCache:
         """KV heads over ``kv_heads``; the pool and the page table are not split over ``data``

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.ragged_attention import reference as contiguous
+from pallas_kernels.ragged_attention.reference import SlotLayout
 
 
 def slot_pages(pages: Float[Array, "layers p b kvh d"], page_table: Int[Array, "s w"],
@@ -35,12 +36,14 @@ def paged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool
                     k_pages: Float[Array, "layers p b kvh d"],
                     v_pages: Float[Array, "layers p b kvh d"], page_table: Int[Array, "s w"],
                     layer: Int[Array, ""] | int, kv_len: Int[Array, "s"], *,
-                    block_size: int) -> Float[Array, "n h d"]:
+                    block_size: int, layout: SlotLayout | None = None) -> Float[Array, "n h d"]:
     """Attention of compacted query rows over their slots' pages; GQA, float32 softmax.
 
     Returns ``[n, h, d]`` in ``q.dtype``; padding rows hold unspecified finite values. The
     same numbers as :func:`pallas_kernels.ragged_attention.reference.ragged_attention` over a
-    contiguous cache holding the same keys and values.
+    contiguous cache holding the same keys and values. ``layout``: the rows'
+    :class:`~pallas_kernels.ragged_attention.reference.SlotLayout` for the GPU kernel's launch
+    (ignored here).
     """
     if k_pages.shape[2] != block_size:
         raise ValueError(f"paged_attention: pages of {k_pages.shape[2]} positions, but block "
