@@ -32,10 +32,21 @@ from focus_jax.models.decoder import Decoder
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
 
 
-def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX) -> list[int]:
+def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX,
+                   long: tuple[float, int, int] | None = None) -> list[int]:
+    """``count`` seeded prompt lengths (the module's distribution). ``long = (fraction, low,
+    high)``: that fraction of the requests (seeded, rounded to whole requests) instead get
+    lengths uniform in ``[low, high]`` (mixed lengths: a few long documents among chat
+    prompts)."""
     rng = np.random.default_rng(seed)
     lengths = rng.lognormal(math.log(PROMPT_MEDIAN), PROMPT_LOG_SD, size=count)
-    return np.clip(lengths.round(), PROMPT_MIN, max_len).astype(int).tolist()
+    lengths = np.clip(lengths.round(), PROMPT_MIN, max_len).astype(int)
+    if long is not None:
+        fraction, low, high = long
+        chosen = np.random.default_rng(seed + 3).choice(count, round(fraction * count),
+                                                        replace=False)
+        lengths[chosen] = np.random.default_rng(seed + 4).integers(low, high + 1, len(chosen))
+    return lengths.tolist()
 
 
 def random_prompts(cfg: ModelConfig, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
@@ -189,17 +200,21 @@ class BenchResult(_Throughput):
 
 def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
         seed: int = 0, block_size: int | None = None, progress: bool = False,
-        mesh: Mesh | None = None, **generation: object) -> list[BenchResult]:
-    """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding."""
+        mesh: Mesh | None = None, long_prompts: tuple[float, int, int] | None = None,
+        max_model_len: int | None = None, **generation: object) -> list[BenchResult]:
+    """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding.
+    ``long_prompts``: a fraction of long prompts (:func:`prompt_lengths`); ``max_model_len``:
+    positions per slot (default: the longest prompt plus ``max_new_tokens``)."""
     cfg = model.config
     block = block_size or cfg.block_size or 32
     configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
                                 stop_token_ids=(), **generation) for mode in modes]
     check_integer("batch", batch, minimum=1)
     check_integer("requests", requests, minimum=1)
-    lengths = prompt_lengths(requests, seed)
+    lengths = prompt_lengths(requests, seed, long=long_prompts)
     prompts = random_prompts(cfg, lengths, seed + 1)
-    cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
+    # The engine rounds it up to whole blocks.
+    cache_len = max_model_len or max(lengths) + max_new_tokens
     return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh)
             for config in configs]
 

@@ -341,6 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
     _check_kernels(args.kernels)
     rates = _positive_rates(args.request_rate) if args.request_rate else None
+    _long_prompts(args)
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
     model = bench.random_model(args.geometry) if args.geometry else load_model(args.model)
@@ -368,7 +369,8 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
 
     for batch in batches:
         for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
-                           args.max_new_tokens, mesh=mesh, **generation):
+                           args.max_new_tokens, mesh=mesh, long_prompts=_long_prompts(args),
+                           max_model_len=args.max_model_len, **generation):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
@@ -389,6 +391,21 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                 f"compiles after warm-up {r.compilations}"
                 + (f"  KV pages {r.kv_pages_peak}/{r.kv_pages}  prefix hits "
                    f"{100 * r.prefix_hit_rate:.1f}%" if r.kv_pages else ""))
+
+
+def _long_prompts(args: argparse.Namespace) -> tuple[float, int, int] | None:
+    """``--long-prompts FRACTION:MIN:MAX``."""
+    if args.long_prompts is None:
+        return None
+    try:
+        fraction, low, high = args.long_prompts.split(":")
+        parsed = float(fraction), int(low), int(high)
+    except ValueError:
+        parsed = None
+    if parsed is None or not (0 <= parsed[0] <= 1 and 1 <= parsed[1] <= parsed[2]):
+        raise ConfigError(f"--long-prompts must be FRACTION:MIN:MAX (e.g. 0.05:4096:8192), got "
+                          f"{args.long_prompts!r}")
+    return parsed
 
 
 def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
@@ -730,6 +747,12 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                          " (default: closed loop, all requests at once)")
     be.add_argument("--steps-per-round", type=int, default=GenerationConfig.steps_per_round,
                     help="denoising steps per device round (admissions happen between rounds)")
+    be.add_argument("--long-prompts", default=None,
+                    help="closed loop: FRACTION:MIN:MAX, that fraction of the requests with "
+                         "prompts of MIN to MAX tokens (e.g. 0.05:4096:8192)")
+    be.add_argument("--max-model-len", type=int, default=None,
+                    help="closed loop: positions per slot (default: the longest prompt plus "
+                         "--max-new-tokens)")
     be.add_argument("--json", default=None,
                     help="write the rows (and MFU) to this file (default: print only)")
     _add_kernels_option(be)

@@ -261,3 +261,23 @@ def test_paged_decoding_with_the_tpu_kernel_or_on_a_mesh_equals_the_xla_path(mod
     else:
         other = generate(model, prompts, config.replace(kernels="pallas_tpu_interpret"))
     assert [r.token_ids for r in other] == xla
+
+
+def test_benchmark_workloads_with_long_prompts_or_a_shared_system_prompt(monkeypatch):
+    """Benchmarks (a) and (b) of the paged cache: a seeded fraction of long prompts among the
+    usual lengths; every load-client prompt beginning with the same system prompt."""
+    from pathlib import Path
+
+    from focus_jax import bench
+    from focus_jax.config import ModelConfig
+    from focus_jax.serve.load import Workload
+
+    plain = bench.prompt_lengths(200, seed=1)
+    mixed = bench.prompt_lengths(200, seed=1, long=(0.05, 4096, 8192))
+    changed = [i for i, (a, b) in enumerate(zip(plain, mixed, strict=True)) if a != b]
+    assert len(changed) == 10 and all(4096 <= mixed[i] <= 8192 for i in changed)
+    assert max(plain) <= bench.PROMPT_MAX
+    monkeypatch.setattr(ModelConfig, "from_file", classmethod(lambda cls, path: tiny_config()))
+    prompts = Workload(num_requests=4, shared_prefix=16, prompt_format="ids").prompts(Path("."))
+    own = Workload(num_requests=4, prompt_format="ids").prompts(Path("."))
+    assert all(p[:16] == prompts[0][:16] and p[16:] == q for p, q in zip(prompts, own, strict=True))
