@@ -615,7 +615,7 @@ def _compile_check(args: argparse.Namespace) -> int:
     # Sampling settings are per-slot arrays of the decode state: no option of theirs changes a
     # compiled program, so compile-check has none.
     config = GenerationConfig(mode=args.mode, block_size=args.block_size, kernels=args.kernels,
-                              **ladder)
+                              **ladder, **_kv_cache(args))
     prompts = {"all": None, "none": ()}.get(args.prompt_buckets)
     if args.prompt_buckets not in ("all", "none"):
         prompts = tuple(int(n) for n in args.prompt_buckets.split(","))
@@ -884,6 +884,7 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
                     help="attention and importance kernels (default: the TPU's, pallas_tpu)")
     cc.add_argument("--hbm-gib", type=float, default=None,
                     help="HBM a program may use per chip (default: the chip's)")
+    _add_kv_cache_options(cc)
     cc.set_defaults(func=cmd_compile_check)
 
 
