@@ -9,6 +9,7 @@ from focus_jax import GenerationConfig, generate
 from focus_jax.cache import ContiguousCache, PagedCache, assign_pages
 from focus_jax.engine import Engine, RequestError, SamplingParams, run_to_completion
 from focus_jax.testing import random_prompts, tiny_config, tiny_model
+from tests.test_kernels import GPU_MARKS
 from tests.test_moe_decoding import QWEN3_MOE
 
 THRESHOLD = 0.04
@@ -62,8 +63,8 @@ def test_paged_writes_and_attention_equal_the_contiguous_cache_with_pages_in_any
         np.testing.assert_array_equal(got, want)
 
 
-PAGED_CASES = [("baseline", 4, "dense"), ("delayed", 8, "moe"), ("focus", 4, "moe"),
-               ("focus", 8, "dense")]
+# Every mode, both block sizes, both kinds of model, in three engines' worth of compiles.
+PAGED_CASES = [("baseline", 4, "dense"), ("delayed", 8, "moe"), ("focus", 8, "dense")]
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +246,12 @@ def test_pages_and_prefix_hits_reach_the_stats_line_and_the_servers_metrics():
         assert sample + "\n" in text
 
 
-@pytest.mark.parametrize("where", ["tpu_kernel_in_the_interpreter", "one_device_mesh"])
-def test_paged_decoding_with_the_tpu_kernel_or_on_a_mesh_equals_the_xla_path(model, where):
-    """The decode step through the paged TPU kernel (in the Pallas interpreter), and through
-    the sharded entry point with the state placed on a mesh, gives the XLA reference's tokens."""
+@pytest.mark.parametrize("where", ["tpu_kernel_in_the_interpreter", "one_device_mesh",
+                                   pytest.param("triton_kernel_on_the_gpu", marks=GPU_MARKS)])
+def test_paged_decoding_with_a_kernel_or_on_a_mesh_equals_the_xla_path(model, where):
+    """The decode step through the paged TPU kernel (in the Pallas interpreter) or the Triton
+    kernel (on an NVIDIA GPU), and through the sharded entry point with the state placed on a
+    mesh, gives the XLA reference's tokens."""
     from focus_jax.sharding import make_mesh
 
     prompts = random_prompts(3, 128, 2, 12, seed=3)
@@ -259,7 +262,8 @@ def test_paged_decoding_with_the_tpu_kernel_or_on_a_mesh_equals_the_xla_path(mod
     if where == "one_device_mesh":
         other = generate(model, prompts, config, mesh=make_mesh(1, 1))
     else:
-        other = generate(model, prompts, config.replace(kernels="pallas_tpu_interpret"))
+        kernels = "triton" if where == "triton_kernel_on_the_gpu" else "pallas_tpu_interpret"
+        other = generate(model, prompts, config.replace(kernels=kernels))
     assert [r.token_ids for r in other] == xla
 
 
@@ -281,3 +285,26 @@ def test_benchmark_workloads_with_long_prompts_or_a_shared_system_prompt(monkeyp
     prompts = Workload(num_requests=4, shared_prefix=16, prompt_format="ids").prompts(Path("."))
     own = Workload(num_requests=4, prompt_format="ids").prompts(Path("."))
     assert all(p[:16] == prompts[0][:16] and p[16:] == q for p, q in zip(prompts, own, strict=True))
+
+
+def test_the_pool_is_sized_by_pages_memory_or_what_the_weights_leave(model):
+    from focus_jax import sharding
+    from focus_jax.config import ConfigError
+    from focus_jax.engine.runner import KV_MEMORY_FRACTION, pool_pages
+    from tests.test_checkpoints import _Device
+
+    cfg = model.config
+    page = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4  # block 4, float32
+    weights = sharding.bytes_per_device(model.params, None)
+    config = GenerationConfig(kv_cache="paged")
+
+    def pages(devices, **options) -> int:
+        return pool_pages(model, config.replace(**options), 4, 8, 64, devices, None)
+
+    assert pages([_Device(None)], kv_pages=7) == 7
+    assert pages([_Device(None)], kv_cache_memory=10 * page + 5) == 10
+    assert pages([_Device(None)]) == 8 * 16  # no memory report: the contiguous cache's worth
+    free = 100 * page
+    assert pages([_Device(weights + free + 3000, in_use=3000)]) == int(KV_MEMORY_FRACTION * free) // page
+    with pytest.raises(ConfigError, match="holds no page"):
+        pages([_Device(weights + page, in_use=0)])
