@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from focus_jax import compilation, decoding, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
+from focus_jax.cache import PagedCache
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
@@ -80,8 +81,7 @@ class Target:
         if generation.kv_pages is not None:
             return generation.kv_pages
         if generation.kv_cache_memory is not None:
-            page_bytes = (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads // self.model
-                          * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize)
+            page_bytes = PagedCache.page_bytes(cfg, self.block_size, self.model)
             return max(1, generation.kv_cache_memory // page_bytes)
         return self.slots * self.positions // self.block_size
 

@@ -295,6 +295,7 @@ def test_the_pool_is_sized_by_pages_memory_or_what_the_weights_leave(model):
 
     cfg = model.config
     page = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4  # block 4, float32
+    assert PagedCache.page_bytes(cfg, 4) == page
     weights = sharding.bytes_per_device(model.params, None)
     config = GenerationConfig(kv_cache="paged")
 

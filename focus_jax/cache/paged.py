@@ -40,6 +40,13 @@ class PagedCache:
         table = jnp.full((slots, positions // block_size), pages, jnp.int32)
         return cls(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype), table)
 
+    @staticmethod
+    def page_bytes(cfg: ModelConfig, block_size: int, kv_head_shards: int = 1) -> int:
+        """Bytes of one page (keys and values of every layer) on each device, the KV heads
+        split ``kv_head_shards`` ways."""
+        return (2 * cfg.num_layers * block_size * cfg.num_kv_heads // kv_head_shards
+                * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize)
+
     @property
     def slots(self) -> int:
         return self.page_table.shape[0]

@@ -10,12 +10,12 @@ import math
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from focus_jax import compilation, decoding, interrupts, sharding
+from focus_jax.cache import PagedCache
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.distributed import to_host
 from focus_jax.engine.params import slot_params_rows
@@ -237,21 +237,16 @@ def pool_pages(model: Model, config: GenerationConfig, block_size: int, slots: i
     (CPUs), as many as a contiguous cache of ``slots`` x ``cache_len`` positions."""
     if config.kv_pages is not None:
         return config.kv_pages
-    cfg = model.config
-    heads_per_device = cfg.num_kv_heads // (mesh.shape["model"] if mesh is not None else 1)
-    page_bytes = (2 * cfg.num_layers * block_size * heads_per_device * cfg.head_dim
-                  * jnp.dtype(cfg.jnp_dtype).itemsize)
+    page_bytes = PagedCache.page_bytes(model.config, block_size,
+                                       mesh.shape["model"] if mesh is not None else 1)
     memory = config.kv_cache_memory
     if memory is None:
-        own = [d for d in devices if d.process_index == jax.process_index()]
-        stats = [d.memory_stats() for d in own]
-        if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        free = free_bytes(model.params, devices)
+        if free is None:
             return slots * (cache_len // block_size)
         weights = sharding.bytes_per_device(
             model.params, None if mesh is None else sharding.param_shardings(model.params, mesh))
-        memory = int(KV_MEMORY_FRACTION * min(
-            s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(model.params, d)
-            - weights for d, s in zip(own, stats, strict=True)))
+        memory = int(KV_MEMORY_FRACTION * (free - weights))
     pages = memory // page_bytes
     if pages < 1:
         raise ConfigError(f"the KV cache's memory ({_size(memory)} per device) holds no page of "
@@ -267,14 +262,10 @@ def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
     (sharded over ``mesh``, or on ``devices[0]``), do not fit the devices' memory. Weights
     already on a device count as free there: they are moved, not added. Devices that do not
     report their memory (CPUs) are not checked."""
-    # Only this process's devices can report (the others are checked by their own processes).
-    own = [d for d in devices if d.process_index == jax.process_index()]
-    stats = [d.memory_stats() for d in own]
-    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+    free = free_bytes(params, devices)
+    if free is None:
         return
     needed = sharding.resident_bytes(params, state, mesh)
-    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(params, d)
-               for d, s in zip(own, stats, strict=True))
     if needed.total > free:
         raise ConfigError(
             f"the weights ({_size(needed.weights)} per device) and the decode state ({slots} "
@@ -283,6 +274,19 @@ def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
             f"{_size(needed.total)} per device, but {_size(free)} are free: use fewer slots "
             f"(batch size), a shorter cache (shorter prompts or fewer max_new_tokens) or more "
             f"devices")
+
+
+def free_bytes(params: nnx.State, devices: Sequence[jax.Device]) -> int | None:
+    """The least memory free on any of this process's ``devices``, counting the weights
+    ``params`` already on a device as free there (they are moved, not added); None where a
+    device does not report its memory (CPUs). Only this process's devices can report: the
+    others are checked by their own processes."""
+    own = [d for d in devices if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() for d in own]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return None
+    return min(s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(params, d)
+               for d, s in zip(own, stats, strict=True))
 
 
 def _size(n: int) -> str:
