@@ -103,19 +103,26 @@ def test_paged_decoding_equals_contiguous_token_for_token(models, mode, block, k
 
 
 def test_a_request_the_pool_can_never_hold_is_refused_and_one_that_fits_waits(model):
+    """Admission reserves a request's worst case; it takes the pages of its prompt, its active
+    block and the blocks a round can reach, the others as it goes on."""
     config = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, bucket_ladder=LADDER,
-                              max_new_tokens=8, kv_cache="paged", kv_pages=5, stop_token_ids=(),
+                              max_new_tokens=8, kv_cache="paged", kv_pages=10, stop_token_ids=(),
                               steps_per_round=2)
     engine = Engine(model, config, slots=2, cache_len=64)
-    with pytest.raises(RequestError, match=r"needs 6 pages of 4 positions, but the KV cache's "
-                                           r"pool has 5"):
-        engine.add_request(list(range(10, 23)))  # 13 + 8 tokens: 6 blocks
-    first = engine.add_request(list(range(10, 21)), SamplingParams(max_new_tokens=9))  # 5 blocks
+    with pytest.raises(RequestError, match=r"needs 12 pages of 4 positions, but the KV cache's "
+                                           r"pool has 10"):
+        engine.add_request(list(range(10, 47)))  # 37 + 8 tokens: 12 blocks
+    first = engine.add_request(list(range(10, 14)), SamplingParams(max_new_tokens=28))  # 8 blocks
     second = engine.add_request(list(range(10, 14)))  # 3 blocks: waits for the first's pages
     engine.step()
     assert engine.num_running == 1 and engine.num_waiting == 1
+    [running] = engine.scheduler.running.values()
+    pool = engine.scheduler.pool
+    # Its prompt's block, its active block and the two a round of two steps can commit.
+    assert len(running.pages) == 4 and running.reserved == 4
+    assert pool.held == 4 and pool.reserved == 4 and pool.available == 2
     results = run_to_completion(engine)
-    assert set(results) == {first, second} and engine.scheduler.pool.available == 5
+    assert set(results) == {first, second} and pool.available == 10 and pool.reserved == 0
 
 
 def test_a_cached_prefix_gives_the_same_tokens_and_only_the_uncached_blocks_are_prefilled(model):
@@ -168,10 +175,11 @@ def test_unheld_cached_pages_are_reclaimed_least_recently_released_first_and_hel
 
 
 def test_random_add_abort_finish_keeps_the_page_pool_consistent():
-    """Requests from a few shared system prompts are added, admitted, aborted (waiting or
-    running) and finished in random order: a page is held twice only as a registered prompt
-    block at the same position of prompts with the same blocks up to it, and every page is
-    available again at the end."""
+    """Requests from a few shared system prompts are added, admitted, take pages as their
+    blocks come, are aborted (waiting or running) and finish in random order: a request's pages
+    and reservation make its worst case, a page is held twice only as a registered prompt block
+    at the same position of prompts with the same blocks up to it, and every page is available
+    again at the end."""
     import random
 
     from focus_jax.cache.pages import PagePool
@@ -192,7 +200,11 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent():
         elif action < 0.6:
             for request in scheduler.admit()[0]:
                 scheduler.register_prompt(request)
-        elif action < 0.7 and (scheduler.waiting or scheduler.running):
+        elif action < 0.65 and scheduler.running:  # a request's blocks come: pages taken
+            request = rng.choice(list(scheduler.running.values()))
+            request.history += block * rng.randrange(0, 3)
+            scheduler.extend_pages(steps=rng.randrange(1, 4))
+        elif action < 0.75 and (scheduler.waiting or scheduler.running):
             victim = rng.choice([*scheduler.waiting, *scheduler.running.values()])
             scheduler.abort(victim.rid)
             for request in scheduler.take_aborted():
@@ -201,8 +213,11 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent():
             scheduler.finish(rng.choice(list(scheduler.running.values())))
         pool.check()
         owners: dict[int, list[tuple[Request, int]]] = {}
+        assert pool.reserved == sum(r.reserved for r in scheduler.running.values())
         for request in scheduler.running.values():
             assert len(set(request.pages)) == len(request.pages)
+            assert len(request.pages) + request.reserved == scheduler.positions_needed(
+                len(request.prompt), request.max_new_tokens) // block
             for index, page in enumerate(request.pages):
                 owners.setdefault(page, []).append((request, index))
         for held in owners.values():
@@ -215,7 +230,8 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent():
     for request in list(scheduler.running.values()):
         scheduler.finish(request)
     pool.check()
-    assert pool.held == 0 and pool.available == pool.total and rid > 100 and shared > 50
+    assert pool.held == 0 and pool.reserved == 0 and pool.available == pool.total
+    assert rid > 100 and shared > 50
 
 
 def test_pages_and_prefix_hits_reach_the_stats_line_and_the_servers_metrics():

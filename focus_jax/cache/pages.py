@@ -1,8 +1,10 @@
 """The page pool on the host: which pages of a paged KV cache are free, which requests hold
 which, and the prefix table of committed prompt blocks.
 
-A request holds its pages from admission to its end, counted by reference: a page of a cached
-prompt prefix may be held by several requests at once. A prompt block whose KV has been written
+A request holds its pages until its end, counted by reference: a page of a cached prompt prefix
+may be held by several requests at once. Pages can be **reserved** (a count, no page chosen):
+a request reserves its worst case when admitted and takes pages out of its reservation as its
+blocks come, so that it never waits for a page once running. A prompt block whose KV has been written
 (prefilled) can be **registered** under its hash, a chain over the block's tokens and its
 parent block's hash (:func:`block_hashes`), so that a later request whose prompt starts with the
 same blocks reads their pages instead of computing them again. A registered page nobody holds
@@ -32,10 +34,12 @@ def block_hashes(prompt: Sequence[int], block_size: int) -> list[bytes]:
 
 class PagePool:
     """``total`` pages; each is free, held by requests (a reference count), or cached (a
-    registered prompt block nobody holds, reclaimable).
+    registered prompt block nobody holds, reclaimable); ``reserved`` of the free and cached ones
+    are promised to running requests.
 
     Invariants (:meth:`check`): every page is in exactly one of the three states; a held page's
-    count is its holders; a registered page is listed under exactly one hash.
+    count is its holders; a registered page is listed under exactly one hash; no more pages are
+    reserved than are free or cached.
     """
 
     def __init__(self, total: int):
@@ -49,6 +53,8 @@ class PagePool:
         """Registered pages nobody holds, least recently released first."""
         self._page_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self.reserved = 0
+        """Pages promised to requests (:meth:`reserve`), not yet taken."""
 
     @property
     def held(self) -> int:
@@ -57,8 +63,9 @@ class PagePool:
 
     @property
     def available(self) -> int:
-        """Pages a request could take now: free ones and cached ones nobody holds."""
-        return len(self._free) + len(self._cached)
+        """Pages a request could take or reserve now: free ones and cached ones nobody holds,
+        less those reserved."""
+        return len(self._free) + len(self._cached) - self.reserved
 
     @property
     def cached(self) -> int:
@@ -81,14 +88,32 @@ class PagePool:
         reclaimable_shared = sum(page in self._cached for page in shared)
         return count <= self.available - reclaimable_shared
 
-    def take(self, count: int, shared: Sequence[int] = ()) -> list[int]:
+    def take(self, count: int, shared: Sequence[int] = (), reserve: int = 0) -> list[int]:
         """Hold the pages ``shared`` (registered pages from :meth:`match`) and ``count`` new
         ones, returned after them: free pages first, then cached ones least recently released
-        first (they leave the prefix table). ``RuntimeError`` if there are not enough."""
-        if not self.can_take(count, shared):
-            raise RuntimeError(f"{count} pages wanted, {self.available} available")
+        first (they leave the prefix table); and reserve ``reserve`` more. ``RuntimeError`` if
+        there are not enough."""
+        if not self.can_take(count + reserve, shared):
+            raise RuntimeError(f"{count + reserve} pages wanted, {self.available} available")
         for page in shared:
             self._hold(page)
+        self.reserved += reserve
+        return [*shared, *self._new_pages(count)]
+
+    def take_reserved(self, count: int) -> list[int]:
+        """Hold ``count`` new pages out of the reservation."""
+        if not 0 <= count <= self.reserved:
+            raise RuntimeError(f"{count} reserved pages wanted, {self.reserved} reserved")
+        self.reserved -= count
+        return self._new_pages(count)
+
+    def unreserve(self, count: int) -> None:
+        """Give back ``count`` reserved pages that were not taken."""
+        if not 0 <= count <= self.reserved:
+            raise RuntimeError(f"{count} pages to unreserve, {self.reserved} reserved")
+        self.reserved -= count
+
+    def _new_pages(self, count: int) -> list[int]:
         taken = []
         for _ in range(count):
             if self._free:
@@ -98,7 +123,7 @@ class PagePool:
                 del self._page_of[self._hash_of.pop(page)]
             self._holders[page] = 1
             taken.append(page)
-        return [*shared, *taken]
+        return taken
 
     def _hold(self, page: int) -> None:
         if page in self._cached:
@@ -143,3 +168,4 @@ class PagePool:
         assert all(count >= 1 for count in self._holders.values())
         assert set(self._hash_of) == set(self._page_of.values()) and cached <= set(self._hash_of)
         assert all(self._page_of[h] == p for p, h in self._hash_of.items())
+        assert 0 <= self.reserved <= len(free) + len(cached), "more reserved than there are"

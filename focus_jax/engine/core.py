@@ -178,10 +178,16 @@ class Engine:
         with self.stats.timed("host_seconds"):
             admitted, refused = self.scheduler.admit()
             outputs += [self._final(r, "error", str(err)) for r, err in refused]
+        if self.scheduler.pool is not None:
+            with self.stats.timed("host_seconds"):
+                grown = self.scheduler.extend_pages(self.config.steps_per_round)
+                changed = {r.slot: r for r in [*admitted, *grown]}
+            if changed:
+                self.runner.assign_pages(list(changed.values()))
+            self.stats.kv_pages = self.scheduler.pool.total
+            self.stats.kv_pages_peak = max(self.stats.kv_pages_peak, self.scheduler.pool.held)
         if admitted:
             with self.stats.timed("prefill_seconds"):
-                if self.scheduler.pool is not None:
-                    self.runner.assign_pages(admitted)
                 for batch in self.scheduler.batches(admitted, self.runner.prefill_batch):
                     self.runner.prefill(batch)
                 jax.block_until_ready(self.runner.state)
@@ -190,9 +196,6 @@ class Engine:
                 request.stats.admitted_time = now
                 self.scheduler.register_prompt(request)
                 self.output.record_prefill(request, self.block_size)
-            if self.scheduler.pool is not None:
-                self.stats.kv_pages = self.scheduler.pool.total
-                self.stats.kv_pages_peak = max(self.stats.kv_pages_peak, self.scheduler.pool.held)
         if self.scheduler.running:
             with self.stats.timed("decode_seconds"):
                 short = self._short_rounds()
@@ -220,6 +223,7 @@ class Engine:
             start = len(request.prompt)
             try:
                 if results.live[slot]:  # its complete blocks so far
+                    request.history = int(results.history[slot])
                     ids = results.tokens(slot, request.returned, start,
                                          max(start, int(results.history[slot])))
                     out = self.output.output(request, ids)

@@ -29,7 +29,11 @@ class Request:
     text: str | None = None
     """``returned`` detokenised."""
     pages: list[int] = dataclasses.field(default_factory=list)
-    """The pages it holds in position order (a paged cache), from admission to its end."""
+    """The pages it holds in position order (a paged cache), until its end."""
+    reserved: int = 0
+    """Pages of its worst case it has reserved but not taken yet."""
+    history: int = 0
+    """Its positions whose KV is final, as the host last saw them (a multiple of B)."""
     cached_blocks: int = 0
     """Leading prompt blocks whose pages it shares from the prefix table (not prefilled)."""
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
@@ -46,9 +50,11 @@ class Scheduler:
     Every slot has the same KV capacity (``cache_len`` positions), so a request is admissible
     when its prompt and ``max_new_tokens`` fit one slot's cache: checked when it is added, and
     again when it is admitted. With a paged cache (``pool``) a request is admitted when the
-    pages of its worst case (prompt and ``max_new_tokens``) can be taken, and holds them until
-    it ends; the head of the queue waits for them (nothing behind it overtakes it), and a
-    request that needs more pages than the pool has is refused when it is added. With
+    pages of its worst case (prompt and ``max_new_tokens``) can be reserved; the head of the
+    queue waits for them (nothing behind it overtakes it), and a request that needs more pages
+    than the pool has is refused when it is added. It takes the pages of its prompt and active
+    block at admission and the others out of its reservation as its blocks come
+    (:meth:`extend_pages`, before each round), and gives back both at its end. With
     ``prefix_caching`` its leading prompt blocks found in the pool's prefix table are shared,
     not taken afresh.
     """
@@ -127,17 +133,41 @@ class Scheduler:
         return admitted, refused
 
     def _take_pages(self, request: Request) -> bool:
-        """Take the pages of the request's worst case, sharing its cached prompt blocks;
-        False (nothing taken) if the pool cannot give them now."""
-        blocks = self.positions_needed(len(request.prompt), request.max_new_tokens) // self.block_size
+        """Reserve the pages of the request's worst case, sharing its cached prompt blocks and
+        taking the pages of its prompt's blocks and its active block; False (nothing taken) if
+        the pool cannot give them now."""
+        worst = self._worst_case(request)
         if self.prefix_caching and not request.block_hashes:
             request.block_hashes = block_hashes(request.prompt, self.block_size)
         shared = self.pool.match(request.block_hashes) if self.prefix_caching else []
-        if not self.pool.can_take(blocks - len(shared), shared):
+        history = len(request.prompt) // self.block_size
+        now = min(worst, history + 1) - len(shared)
+        if not self.pool.can_take(worst - len(shared), shared):
             return False
-        request.pages = self.pool.take(blocks - len(shared), shared)
+        request.pages = self.pool.take(now, shared, reserve=worst - len(shared) - now)
+        request.reserved = worst - len(request.pages)
         request.cached_blocks = len(shared)
+        request.history = history * self.block_size
         return True
+
+    def _worst_case(self, request: Request) -> int:
+        """Pages of a request's prompt and ``max_new_tokens``."""
+        return self.positions_needed(len(request.prompt), request.max_new_tokens) // self.block_size
+
+    def extend_pages(self, steps: int) -> list[Request]:
+        """Before a round of at most ``steps`` steps (a paged cache): every running request
+        takes, out of its reservation, the pages of the blocks the round can reach (one block
+        committed per step at most, from ``Request.history``). Returns those whose pages
+        grew."""
+        grown = []
+        for request in self.running.values():
+            want = min(self._worst_case(request), request.history // self.block_size + steps + 1)
+            more = want - len(request.pages)
+            if more > 0:
+                request.pages += self.pool.take_reserved(more)
+                request.reserved -= more
+                grown.append(request)
+        return grown
 
     def register_prompt(self, request: Request) -> None:
         """With prefix caching: the request's prompt blocks have been prefilled (the programs
@@ -153,7 +183,8 @@ class Scheduler:
         request.slot = None
         if self.pool is not None:
             self.pool.release(request.pages)
-            request.pages = []
+            self.pool.unreserve(request.reserved)
+            request.pages, request.reserved = [], 0
 
     def batches(self, admitted: Sequence[Request], size: int) -> list[list[Request]]:
         """Prefill batches of at most ``size`` admitted requests."""
