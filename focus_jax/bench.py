@@ -33,10 +33,21 @@ from focus_jax.quant import check_platform
 PROMPT_MEDIAN, PROMPT_LOG_SD, PROMPT_MIN, PROMPT_MAX = 120, 1.0, 8, 1024
 
 
-def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX) -> list[int]:
+def prompt_lengths(count: int, seed: int = 0, max_len: int = PROMPT_MAX,
+                   long: tuple[float, int, int] | None = None) -> list[int]:
+    """``count`` seeded prompt lengths (the module's distribution). ``long = (fraction, low,
+    high)``: that fraction of the requests (seeded, rounded to whole requests) instead get
+    lengths uniform in ``[low, high]`` (mixed lengths: a few long documents among chat
+    prompts)."""
     rng = np.random.default_rng(seed)
     lengths = rng.lognormal(math.log(PROMPT_MEDIAN), PROMPT_LOG_SD, size=count)
-    return np.clip(lengths.round(), PROMPT_MIN, max_len).astype(int).tolist()
+    lengths = np.clip(lengths.round(), PROMPT_MIN, max_len).astype(int)
+    if long is not None:
+        fraction, low, high = long
+        chosen = np.random.default_rng(seed + 3).choice(count, round(fraction * count),
+                                                        replace=False)
+        lengths[chosen] = np.random.default_rng(seed + 4).integers(low, high + 1, len(chosen))
+    return lengths.tolist()
 
 
 def random_prompts(cfg: ModelConfig, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
@@ -172,6 +183,15 @@ class BenchResult(_Throughput):
     """Programs the warm-up compiled afresh."""
     warmup_loaded: int = 0
     """Programs the warm-up read from the persistent compilation cache."""
+    kv_cache: str = "contiguous"
+    kv_pages: int = 0
+    """Pages of a paged cache's pool (0: contiguous)."""
+    kv_pages_peak: int = 0
+    """The most pages requests held at once."""
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    prefix_hit_rate: float = 0.0
 
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation over the whole run (prefill and host time included)."""
@@ -184,17 +204,21 @@ class BenchResult(_Throughput):
 
 def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
         seed: int = 0, block_size: int | None = None, progress: bool = False,
-        mesh: Mesh | None = None, **generation: object) -> list[BenchResult]:
-    """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding."""
+        mesh: Mesh | None = None, long_prompts: tuple[float, int, int] | None = None,
+        max_model_len: int | None = None, **generation: object) -> list[BenchResult]:
+    """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding.
+    ``long_prompts``: a fraction of long prompts (:func:`prompt_lengths`); ``max_model_len``:
+    positions per slot (default: the longest prompt plus ``max_new_tokens``)."""
     cfg = model.config
     block = block_size or cfg.block_size or 32
     configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
                                 stop_token_ids=(), **generation) for mode in modes]
     check_integer("batch", batch, minimum=1)
     check_integer("requests", requests, minimum=1)
-    lengths = prompt_lengths(requests, seed)
+    lengths = prompt_lengths(requests, seed, long=long_prompts)
     prompts = random_prompts(cfg, lengths, seed + 1)
-    cache_len = max(lengths) + max_new_tokens  # the engine rounds it up to whole blocks
+    # The engine rounds it up to whole blocks.
+    cache_len = max_model_len or max(lengths) + max_new_tokens
     return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh)
             for config in configs]
 
@@ -226,7 +250,9 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
         model_flops=flops, compile_seconds=compile_seconds, decode_seconds=s.decode_seconds,
         prefill_seconds=s.prefill_seconds, host_seconds=s.host_seconds,
         compilations=compilations.programs, warmup_compiled=warmup.compiled,
-        warmup_loaded=warmup.loaded)
+        warmup_loaded=warmup.loaded, kv_cache=config.kv_cache, kv_pages=s.kv_pages,
+        kv_pages_peak=s.kv_pages_peak, prompt_tokens=s.prompt_tokens,
+        cached_prompt_tokens=s.cached_prompt_tokens, prefix_hit_rate=s.prefix_hit_rate)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -257,6 +283,10 @@ class OpenLoopResult(_Throughput):
     per_token: dict[str, float]
     latency: dict[str, float]
     compilations: int
+    kv_pages: int = 0
+    """Pages of a paged cache's pool (0: contiguous)."""
+    kv_pages_peak: int = 0
+    prefix_hit_rate: float = 0.0
 
 
 def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_tokens: int,
@@ -300,4 +330,5 @@ def run_open_loop(model: Model, mode: str, batch: int, requests: int, max_new_to
         per_token=percentiles([(s.finished_time - s.first_block_time) / max(n - 1, 1)
                                for s, n in zip(stats, tokens, strict=True)]),
         latency=percentiles([s.finished_time - s.arrival_time for s in stats]),
-        compilations=compilations.programs)
+        compilations=compilations.programs, kv_pages=engine.stats.kv_pages,
+        kv_pages_peak=engine.stats.kv_pages_peak, prefix_hit_rate=engine.stats.prefix_hit_rate)

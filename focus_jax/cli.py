@@ -16,6 +16,7 @@ from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
 from focus_jax.config import (
     DEFAULT_THRESHOLD,
+    KV_LAYOUTS,
     MODES,
     QUANTIZED_TYPES,
     UNMASKING_RULES,
@@ -75,6 +76,7 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
                              "comma-separated (default: the platform's)")
     parser.add_argument("--stats", action="store_true",
                         help="print decoding and compilation statistics")
+    _add_kv_cache_options(parser)
     _add_compile_cache_option(parser)
     _add_distribution_options(parser)
 
@@ -106,6 +108,27 @@ def _quantization(args: argparse.Namespace) -> Quantization | None:
     if rows is not None and args.quantize is None:
         raise ConfigError("--quantize-activations-from needs --quantize fp8 or int8")
     return None if args.quantize is None else Quantization(args.quantize, rows)
+
+
+def _add_kv_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache", choices=KV_LAYOUTS, default="contiguous",
+                        help="KV cache layout: contiguous (every slot reserves the whole context) "
+                             "or paged (a pool of one-block pages; requests hold their worst case)")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="paged: GiB per device for the page pool (default: 85%% of the memory "
+                             "left after the weights)")
+    parser.add_argument("--kv-pages", type=int, default=None,
+                        help="paged: pages in the pool (overrides --kv-cache-memory)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="paged: share the KV of whole prompt blocks requests have in common "
+                             "(prefilled once)")
+
+
+def _kv_cache(args: argparse.Namespace) -> dict:
+    """The GenerationConfig fields of the KV cache options."""
+    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
+    return {"kv_cache": args.kv_cache, "kv_cache_memory": memory, "kv_pages": args.kv_pages,
+            "prefix_caching": args.prefix_caching}
 
 
 def _add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
@@ -180,7 +203,7 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         denoising_steps=args.denoising_steps,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, max_batch=args.max_batch,
-        **_ladder(args.bucket_ladder))
+        **_ladder(args.bucket_ladder), **_kv_cache(args))
 
 
 def load_model(path: Path | None, dtype: str | None = None, mesh=None,
@@ -211,6 +234,10 @@ def format_stats(stats: RunStats, num_layers: int) -> str:
         f"{stats.token_layers(num_layers) / max(stats.generated_tokens, 1):.1f}",
         f"processed bucket histogram {dict(sorted(stats.processed_buckets.items()))}; "
         f"retained {dict(sorted(stats.retained_buckets.items()))}",
+        f"prompt tokens {stats.prompt_tokens}, {stats.cached_prompt_tokens} from the prefix cache "
+        f"(hit rate {100 * stats.prefix_hit_rate:.1f}%), {stats.prefilled_tokens} prefilled"
+        + (f"; KV pages: at most {stats.kv_pages_peak} used of {stats.kv_pages} "
+           f"({stats.kv_pages - stats.kv_pages_peak} free then)" if stats.kv_pages else ""),
     ]
     return "\n".join(lines)
 
@@ -353,10 +380,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modes = _modes(args.modes)
     _require_positive(args, "requests_per_slot", "max_new_tokens")
     ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round,
-              "kernels": args.kernels, "commit_refresh": args.commit_refresh}
+              "kernels": args.kernels, "commit_refresh": args.commit_refresh,
+              **_kv_cache(args)}
     GenerationConfig(max_new_tokens=args.max_new_tokens, **ladder)
     _check_kernels(args.kernels)
     rates = _positive_rates(args.request_rate) if args.request_rate else None
+    _long_prompts(args)
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
     quantization = _quantization(args)
@@ -386,7 +415,8 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
 
     for batch in batches:
         for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
-                           args.max_new_tokens, mesh=mesh, **generation):
+                           args.max_new_tokens, mesh=mesh, long_prompts=_long_prompts(args),
+                           max_model_len=args.max_model_len, **generation):
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
@@ -408,7 +438,24 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                 f"{r.warmup_loaded} from cache)  "
                 f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
                 f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
-                f"compiles after warm-up {r.compilations}")
+                f"compiles after warm-up {r.compilations}"
+                + (f"  KV pages {r.kv_pages_peak}/{r.kv_pages}  prefix hits "
+                   f"{100 * r.prefix_hit_rate:.1f}%" if r.kv_pages else ""))
+
+
+def _long_prompts(args: argparse.Namespace) -> tuple[float, int, int] | None:
+    """``--long-prompts FRACTION:MIN:MAX``."""
+    if args.long_prompts is None:
+        return None
+    try:
+        fraction, low, high = args.long_prompts.split(":")
+        parsed = float(fraction), int(low), int(high)
+    except ValueError:
+        parsed = None
+    if parsed is None or not (0 <= parsed[0] <= 1 and 1 <= parsed[1] <= parsed[2]):
+        raise ConfigError(f"--long-prompts must be FRACTION:MIN:MAX (e.g. 0.05:4096:8192), got "
+                          f"{args.long_prompts!r}")
+    return parsed
 
 
 def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
@@ -587,7 +634,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder),
                               commit_refresh=args.commit_refresh,
                               interruptible_rounds=args.round_interrupts,
-                              free_slot_round_steps=_free_slot_round_steps(args))
+                              free_slot_round_steps=_free_slot_round_steps(args), **_kv_cache(args))
     engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
     name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
     print(f"focus-jax serve: compiling every program for {slots} slots x {context} "
@@ -637,7 +684,7 @@ def _compile_check(args: argparse.Namespace) -> int:
     # Sampling settings are per-slot arrays of the decode state: no option of theirs changes a
     # compiled program, so compile-check has none.
     config = GenerationConfig(mode=args.mode, block_size=args.block_size, kernels=args.kernels,
-                              **ladder)
+                              **ladder, **_kv_cache(args))
     prompts = {"all": None, "none": ()}.get(args.prompt_buckets)
     if args.prompt_buckets not in ("all", "none"):
         prompts = tuple(int(n) for n in args.prompt_buckets.split(","))
@@ -780,10 +827,17 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                          " (default: closed loop, all requests at once)")
     be.add_argument("--steps-per-round", type=int, default=GenerationConfig.steps_per_round,
                     help="denoising steps per device round (admissions happen between rounds)")
+    be.add_argument("--long-prompts", default=None,
+                    help="closed loop: FRACTION:MIN:MAX, that fraction of the requests with "
+                         "prompts of MIN to MAX tokens (e.g. 0.05:4096:8192)")
+    be.add_argument("--max-model-len", type=int, default=None,
+                    help="closed loop: positions per slot (default: the longest prompt plus "
+                         "--max-new-tokens)")
     be.add_argument("--json", default=None,
                     help="write the rows (and MFU) to this file (default: print only)")
     _add_quantize_options(be)
     _add_kernels_option(be)
+    _add_kv_cache_options(be)
     _add_compile_cache_option(be)
     _add_distribution_options(be)
     be.set_defaults(func=cmd_bench)
@@ -863,6 +917,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                      help="weights' dtype (default: the model's)")
     _add_kernels_option(srv)
+    _add_kv_cache_options(srv)
     srv.add_argument("--round-interrupts", action=argparse.BooleanOptionalAction, default=True,
                      help="end a running decode round at the next step when a request arrives "
                           "for a free slot")
@@ -914,6 +969,7 @@ def _add_compile_check_command(sub: argparse._SubParsersAction) -> None:
     cc.add_argument("--hbm-gib", type=float, default=None,
                     help="HBM a program may use per chip (default: the chip's)")
     _add_quantize_options(cc)
+    _add_kv_cache_options(cc)
     cc.set_defaults(func=cmd_compile_check)
 
 

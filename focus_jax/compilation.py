@@ -81,22 +81,23 @@ class ProgramCache:
 PROGRAMS = ProgramCache(PROGRAM_CAPACITY)
 
 
-def _jit(fn: Callable, platform: str) -> Callable:
+def _jit(fn: Callable, platform: str, static_argnames: tuple[str, ...] = ()) -> Callable:
     if not _cache_checked:
         use_persistent_cache()
     options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
     # The decode state (argument 1) is donated: updated in place.
-    return jax.jit(fn, donate_argnums=(1,), compiler_options=options)
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=options,
+                   static_argnames=static_argnames)
 
 
 def prefill_program(platform: str, graphdef: nnx.GraphDef, settings: decoding.DecodeSettings,
-                    slots: int, cache_len: int) -> Callable:
+                    slots: int, cache_len: int, pages: int | None = None) -> Callable:
     """The jitted prefill for devices of ``platform`` ("cpu", "gpu", "tpu"):
     ``(params, state, tokens [n, t], length [n], slot [n], slot_params) -> state``
     (``slot_params``: the requests' :class:`~focus_jax.decoding.SlotParams`, ``n`` rows).
 
-    Kept in :data:`PROGRAMS` by model, block size, mask token, mesh and state shape; it compiles
-    once per padded prompt length.
+    Kept in :data:`PROGRAMS` by model, block size, mask token, mesh and state shape (``pages``:
+    a paged cache's pool); it compiles once per padded prompt length.
     """
     block, mask = settings.block_size, settings.mask_token_id
 
@@ -107,20 +108,42 @@ def prefill_program(platform: str, graphdef: nnx.GraphDef, settings: decoding.De
 
         return _jit(prefill, platform)
 
-    key = ("prefill", platform, graphdef, block, mask, settings.mesh, slots, cache_len)
+    key = ("prefill", platform, graphdef, block, mask, settings.mesh, slots, cache_len, pages)
+    return PROGRAMS.get(key, make)
+
+
+def prefix_prefill_program(platform: str, graphdef: nnx.GraphDef,
+                           settings: decoding.DecodeSettings, slots: int, cache_len: int,
+                           pages: int | None) -> Callable:
+    """The jitted prefill of prompts that continue a cached prefix: ``(params, state, tokens [n,
+    p + c], length [n], start [n], slot [n], slot_params, *, computed=c) -> state``; each row's
+    positions ``[start, start + c)`` are run, attending to its cached positions before
+    ``start`` (``start <= p``). Compiles once per ``(n, p, c)``; kept like
+    :func:`prefill_program`."""
+    block, mask = settings.block_size, settings.mask_token_id
+
+    def make() -> Callable:
+        def prefill(params, state, tokens, length, start, slot, slot_params, *, computed):
+            return decoding.prefill(nnx.merge(graphdef, params), state, tokens, length, slot,
+                                    slot_params, block, mask, settings.mesh, start, computed)
+
+        return _jit(prefill, platform, static_argnames=("computed",))
+
+    key = ("prefix_prefill", platform, graphdef, block, mask, settings.mesh, slots, cache_len,
+           pages)
     return PROGRAMS.get(key, make)
 
 
 def decode_round_program(platform: str, graphdef: nnx.GraphDef,
                          settings: decoding.DecodeSettings, max_steps: int, slots: int,
-                         cache_len: int) -> Callable:
+                         cache_len: int, pages: int | None = None) -> Callable:
     """The jitted decode round (``decoding.decode_round``) for devices of ``platform``:
     ``(params, state, stop_on_finish, step_limit, stop_on_first_output, interrupt_channel) ->
     (state, results, steps)``, ``results`` the round's step logs and slot progress packed for one
     transfer (``decoding.pack_round``).
 
-    Kept in :data:`PROGRAMS` by model, settings, steps per round and state shape: one compiled
-    program per entry.
+    Kept in :data:`PROGRAMS` by model, settings, steps per round and state shape (``pages``: a
+    paged cache's pool): one compiled program per entry.
     """
     def make() -> Callable:
         def decode_round(params, state, stop_on_finish, step_limit, stop_on_first_output,
@@ -134,7 +157,7 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
 
         return _jit(decode_round, platform)
 
-    key = ("round", platform, graphdef, settings, max_steps, slots, cache_len)
+    key = ("round", platform, graphdef, settings, max_steps, slots, cache_len, pages)
     return PROGRAMS.get(key, make)
 
 
@@ -175,6 +198,9 @@ def compile_together(programs: list[tuple[Callable, tuple]]) -> None:
 release_program = jax.jit(decoding.release, donate_argnums=(0,))
 """``(state, slots [S]) -> state``: the requests in ``slots`` (aborted) take no further steps
 (one small program per state shape)."""
+
+set_pages_program = jax.jit(decoding.set_pages, donate_argnums=(0,))
+"""``(state, slots [S], table [S, W]) -> state``: page-table rows for slots of a paged cache."""
 
 
 # --------------------------------------------------------------------- persistent compilation cache

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from focus_jax import compilation, decoding, sharding, tpu
 from focus_jax.bench import layer_flops_per_token
+from focus_jax.cache import PagedCache
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig, Quantization
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
@@ -70,6 +71,20 @@ class Target:
     def kernels(self) -> str:
         return self.generation.kernels or TPU_KERNELS
 
+    @property
+    def pages(self) -> int | None:
+        """A paged KV cache's pages (``kv_pages``, else as many as ``kv_cache_memory`` bytes
+        per chip hold, else as many as the contiguous cache's positions); None: contiguous."""
+        generation, cfg = self.generation, self.cfg
+        if generation.kv_cache != "paged":
+            return None
+        if generation.kv_pages is not None:
+            return generation.kv_pages
+        if generation.kv_cache_memory is not None:
+            page_bytes = PagedCache.page_bytes(cfg, self.block_size, self.model)
+            return max(1, generation.kv_cache_memory // page_bytes)
+        return self.slots * self.positions // self.block_size
+
 
 def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                 generation: GenerationConfig, mesh: str | None = None,
@@ -110,6 +125,9 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
         raise ConfigError(f"--prefill-batch must be >= 1, got {prefill_batch}")
     if hbm_gib is not None and hbm_gib <= 0:
         raise ConfigError(f"--hbm-gib must be positive, got {hbm_gib}")
+    if generation.kv_cache == "paged" and sizes["data"] > 1:
+        raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: use a "
+                          "mesh with data=1")
     if generation.kernels not in (None, "xla", TPU_KERNELS):
         raise ConfigError(f"kernels {generation.kernels!r} do not run on a TPU: use xla or "
                           f"{TPU_KERNELS}")
@@ -162,7 +180,8 @@ def _shapes(target: Target) -> tuple[nnx.GraphDef, nnx.State, decoding.DecodeSta
     """The graphdef, and the weights and the decode state as shapes (nothing allocated)."""
     graphdef, params = nnx.split(abstract_decoder(target.cfg))
     state = jax.eval_shape(lambda: decoding.init_state(
-        target.cfg, target.slots, target.positions, target.block_size, _mask_token(target.cfg)))
+        target.cfg, target.slots, target.positions, target.block_size, _mask_token(target.cfg),
+        target.pages))
     return graphdef, params, state
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64)
 MODES = ("baseline", "delayed", "focus")
+KV_LAYOUTS = ("contiguous", "paged")
 UNMASKING_RULES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 DEFAULT_THRESHOLD = {"baseline": 0.9, "delayed": 0.9, "focus": 0.8}
 # Compaction buckets (fractions of slots x block): steps of 1/32 up to 1/4, of 1/16 up to 1/2,
@@ -44,6 +45,7 @@ instead of a GEMM that reads the weights in place (``tests/test_compilation.py``
 one row). At 256 slots x block 32 the smallest bucket is 64 rows either way."""
 
 Mode = Literal["baseline", "delayed", "focus"]
+KVLayout = Literal["contiguous", "paged"]
 UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
 
 
@@ -414,6 +416,23 @@ class GenerationConfig:
     meanwhile waits at most this many steps to be admitted (instead of a whole round). The
     same compiled round runs both lengths."""
 
+    kv_cache: KVLayout = "contiguous"
+    """The KV cache's layout: ``contiguous`` (every slot reserves ``max_cache_len`` positions)
+    or ``paged`` (a pool of pages of one block; a request holds the pages of its prompt and
+    ``max_new_tokens``, and waits for them when the pool is short)."""
+
+    kv_pages: int | None = None
+    """Pages in a paged cache's pool (None: from ``kv_cache_memory``, else the device memory
+    left after the weights, else, on devices that do not report their memory, as many as the
+    contiguous cache's positions)."""
+
+    kv_cache_memory: int | None = None
+    """Bytes per device for a paged cache's pool (None: see ``kv_pages``)."""
+
+    prefix_caching: bool = False
+    """Paged cache only: requests share the pages of the prompt blocks they have in common with
+    an earlier request (whole leading blocks), which are then prefilled once."""
+
     interruptible_rounds: bool = False
     """Rounds ask the host after every step whether to end (a host callback in the round's loop,
     :mod:`focus_jax.interrupts`), so a request that arrives while a slot is free is admitted at
@@ -444,6 +463,14 @@ class GenerationConfig:
         self._integer("max_cache_len", minimum=1, optional=True)
         self._integer("steps_per_round", minimum=1)
         self._integer("free_slot_round_steps", minimum=1)
+        if self.kv_cache not in KV_LAYOUTS:
+            raise ConfigError(f"kv_cache {self.kv_cache!r} is not one of {', '.join(KV_LAYOUTS)}")
+        self._integer("kv_pages", minimum=1, optional=True)
+        self._integer("kv_cache_memory", minimum=1, optional=True)
+        if self.kv_cache != "paged" and (self.kv_pages or self.kv_cache_memory
+                                         or self.prefix_caching):
+            raise ConfigError("kv_pages, kv_cache_memory and prefix_caching need "
+                              "kv_cache='paged'")
         if self.stop_token_ids is not None:
             ids = _sequence("stop_token_ids", self.stop_token_ids)
             if not all(is_integer(t) and t >= 0 for t in ids):

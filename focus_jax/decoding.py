@@ -27,17 +27,16 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from focus_jax import interrupts, sharding
-from focus_jax.cache import KVCache
+from focus_jax.cache import ContiguousCache, KVCache, PagedCache, assign_pages
 from focus_jax.compaction import Compaction
 from focus_jax.config import ModelConfig
-from focus_jax.models.decoder import Decoder, Layer, forward
-from focus_jax.policies import CACHED, MASKED, UNMASKED, Eviction, Policies, RowSampling, kernel
-from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
+from focus_jax.models.decoder import Decoder, Layer, forward, forward_after_prefix
+from focus_jax.policies import CACHED, MASKED, UNMASKED, Eviction, Policies, RowSampling
 from pallas_kernels.ragged_attention.reference import SlotLayout, slot_layout
 
 __all__ = ["CACHED", "MASKED", "UNMASKED", "DecodeSettings", "DecodeState", "RoundResults",
            "SlotParams", "StepLog", "decode_round", "decoded_per_step", "init_state",
-           "pack_round", "packed_width", "prefill", "release", "step", "unpack_round",
+           "pack_round", "packed_width", "prefill", "release", "set_pages", "step", "unpack_round",
            "window_width"]
 
 MAX_STOP_IDS = 8
@@ -152,8 +151,10 @@ class StepLog:
 
 
 def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
-               mask_token_id: int) -> DecodeState:
-    """An engine state with every slot free."""
+               mask_token_id: int, pages: int | None = None) -> DecodeState:
+    """An engine state with every slot free. ``pages``: a paged KV cache of that many pages of
+    one block (:class:`~focus_jax.cache.PagedCache`, no slot holding any yet); ``None``: the
+    contiguous cache, ``positions`` per slot."""
     if positions % block_size:
         raise ValueError(f"cache positions {positions} must be a multiple of the block size")
     def zeros() -> Array:  # a buffer per field: the state is donated, and buffers must not alias
@@ -166,26 +167,42 @@ def init_state(cfg: ModelConfig, slots: int, positions: int, block_size: int,
         live=jnp.zeros((slots,), bool), prompt_len=zeros(), out_len=zeros(),
         sequence=jnp.full((slots, positions), mask_token_id, jnp.int32),
         params=SlotParams.empty(slots),
-        cache=KVCache.create(cfg, slots, positions),
+        cache=(ContiguousCache.create(cfg, slots, positions) if pages is None
+               else PagedCache.create(cfg, slots, positions, block_size, pages)),
     )
 
 
 def prefill(model: Decoder, state: DecodeState, tokens: Int[Array, "n t"],
             length: Int[Array, "n"], slot: Int[Array, "n"], params: SlotParams,
-            block_size: int, mask_token_id: int, mesh: Mesh | None = None) -> DecodeState:
-    """Start requests in slots (SPEC 2): write the KV of every full prompt block but the last.
+            block_size: int, mask_token_id: int, mesh: Mesh | None = None,
+            start: Int[Array, "n"] | None = None, computed: int | None = None) -> DecodeState:
+    """Start requests in slots (SPEC 2): write the KV of every full prompt block.
 
     ``tokens`` are prompts right-padded to a common length (a multiple of B); rows whose ``slot``
     is out of range are padding and change nothing. The block holding the prompt tail (or a
     fresh block when the prompt fills its blocks) becomes the active block, its prompt positions
     ``UNMASKED``. ``params`` are the requests' parameters (``n`` rows); ``mesh``: the mesh
     the parameters and state live on.
+
+    ``start``: each row's leading prompt positions whose KV its slot's cache already holds (whole
+    blocks: a cached prefix, :mod:`focus_jax.cache.pages`); only ``computed`` (static) positions
+    from there are run, attending to the cached ones (the first ``t - computed`` positions of the
+    slot are read), and positions from ``start`` on are written.
     """
     b, mask = block_size, mask_token_id
     n, t = tokens.shape
     history = (length // b) * b
-    _, (k, v) = forward(model, tokens, b, mesh)
-    cache = state.cache.write_prefix(slot, history, k, v)
+    if start is None:
+        start = jnp.zeros_like(length)
+        _, (k, v) = forward(model, tokens, b, mesh)
+    else:
+        position = start[:, None] + jnp.arange(computed)
+        window = jnp.take_along_axis(tokens, jnp.clip(position, 0, t - 1), axis=1)
+        prefix = t - computed
+        prefix_k, prefix_v = state.cache.read_prefix(slot, prefix)
+        _, (k, v) = forward_after_prefix(model, window, position, prefix_k, prefix_v,
+                                         jnp.arange(prefix)[None, :] < start[:, None], b, mesh)
+    cache = state.cache.write_prefix(slot, start, history, k, v)
 
     position = history[:, None] + jnp.arange(b)
     in_prompt = position < length[:, None]
@@ -219,6 +236,12 @@ def release(state: DecodeState, slots: Int[Array, "n"]) -> DecodeState:
     """Stop the requests in ``slots`` (aborted): they take no further steps. Out-of-range
     entries are padding."""
     return dataclasses.replace(state, live=state.live.at[slots].set(False, mode="drop"))
+
+
+def set_pages(state: DecodeState, slots: Int[Array, "n"], table: Int[Array, "n w"]) -> DecodeState:
+    """Give the slots ``slots`` the page-table rows ``table`` (a paged cache; out-of-range
+    entries of ``slots`` are padding)."""
+    return dataclasses.replace(state, cache=assign_pages(state.cache, slots, table))
 
 
 def _rightmost(flags: Bool[Array, "s b"]) -> Int[Array, "s"]:
@@ -383,10 +406,8 @@ class _Layers:
         layer's kept rows, the eviction's processed ones, the head's candidates), and no row
         writes the cache here. ``layout``: the rows' slot layout, if computed once for several
         layers."""
-        attention = kernel(ragged_attention, ragged_attention_sharded, self.settings.kernels,
-                           self.settings.mesh)
-        attn = attention(q, rows, valid, cache.k, cache.v, layer_index, kv_len,
-                         block_size=self.block_size, layout=layout)
+        attn = cache.attend(q, rows, valid, layer_index, kv_len, block_size=self.block_size,
+                            impl=self.settings.kernels, mesh=self.settings.mesh, layout=layout)
         return layer.finish(x, attn, valid, self.settings.mesh)
 
     # Layers 0-1 run in two bucketed halves with the cache write between them, outside the

@@ -119,10 +119,10 @@ def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
 
 def state_specs(state, kv_heads: str | None = "model"):
     """PartitionSpecs of a decode state: every array's leading slot axis over ``data``, the KV
-    cache ``[L, S, M, KVH, D]`` by slot over ``data`` and KV head over ``kv_heads``."""
+    cache as its layout says (:meth:`focus_jax.cache.KVCache.specs`: slots over ``data``, KV
+    heads over ``kv_heads``)."""
     specs = jax.tree.map(lambda _: PartitionSpec("data"), state)
-    cache = PartitionSpec(None, "data", None, kv_heads, None)
-    return dataclasses.replace(specs, cache=type(state.cache)(cache, cache))
+    return dataclasses.replace(specs, cache=state.cache.specs(kv_heads))
 
 
 def state_sharding(state, mesh: Mesh):

@@ -14,6 +14,7 @@ import jax
 PLATFORM_DEFAULT = {
     "ragged_attention": {"tpu": "pallas_tpu", "gpu": "triton"},
     "focus_importance": {"tpu": "pallas_tpu", "gpu": "xla"},
+    "paged_attention": {"tpu": "pallas_tpu", "gpu": "triton"},
 }
 """Per op, the platforms whose default is a kernel; other platforms (the CPU) run the XLA
 reference. GPU defaults are what measured fastest on the H200 (docs/kernels.md)."""

@@ -100,6 +100,10 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-len", type=int, default=load.bench.PROMPT_MAX)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens of one system prompt before every prompt (default: none)")
+    parser.add_argument("--prompt-format", choices=("text", "ids"), default="text",
+                        help="prompts as text or as token ids (focus-jax takes ids)")
     parser.add_argument("--warmup-requests", type=int, default=32)
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--start-timeout", type=float, default=600.0)
@@ -114,7 +118,9 @@ def main() -> int:
         print(f"{args.server} ready after {started:.0f} s", file=sys.stderr, flush=True)
         for index, rate in enumerate(float(r) for r in args.rates.split(",")):
             workload = load.Workload(requests_at(rate, args), rate, args.max_tokens,
-                                     max_prompt_len=args.max_prompt_len)
+                                     max_prompt_len=args.max_prompt_len,
+                                     prompt_format=args.prompt_format,
+                                     shared_prefix=args.shared_prefix)
             report = asyncio.run(load.run(url, workload, workload.prompts(args.model_dir),
                                           warmup_requests=args.warmup_requests if index == 0 else 0))
             row = {"server": args.server, "mode": args.mode if args.server == "focus-jax" else None,

@@ -250,3 +250,17 @@ def test_ctrl_c_inside_a_compile_ends_generate_within_seconds(tmp_path):
         process.kill()
     assert process.returncode == 130 and time.monotonic() - signalled < 3
     assert err.strip().splitlines() == ["focus-jax: interrupted"]
+
+
+def test_generate_with_a_paged_cache_and_prefix_caching_prints_pages_and_hits(model_dir, capsys):
+    """Two prompts that share their first blocks: the second reads them from the prefix cache
+    (a batch of one slot runs them one after the other)."""
+    shared = "Answer briefly. " * 2
+    code = main(["generate", "--model", str(model_dir), "--prompt", shared + "hi",
+                 "--prompt", shared + "yo", "--block-size", "4", "--max-new-tokens", "4",
+                 "--threshold", "0.04", "--max-batch", "1", "--no-chat", "--kv-cache", "paged",
+                 "--prefix-caching", "--stats"])
+    _, err = capsys.readouterr()
+    assert code == 0
+    assert "from the prefix cache (hit rate" in err and "KV pages: at most" in err
+    assert " 0 from the prefix cache" not in err

@@ -72,6 +72,19 @@ def test_a_mixture_of_experts_round_compiles_for_one_v5e_chip_and_an_expert_mesh
 
 
 @needs_libtpu
+def test_a_paged_round_compiles_for_a_v5e_chip_and_holds_only_its_pool():
+    """The paged KV cache's decode round with the paged Mosaic kernel: 40 pages of 8 positions
+    where the contiguous cache reserves 16 slots x 64 positions (128 pages' worth)."""
+    paged = decode_round("focus", "v5e:1x1", None, "pallas_tpu", kv_cache="paged", kv_pages=40)
+    contiguous = decode_round("focus", "v5e:1x1", None, "pallas_tpu")
+    assert paged.result.compiled, paged.result.error
+    page = 2 * TINY.num_layers * 8 * TINY.num_kv_heads * TINY.head_dim * 2  # K and V, bfloat16
+    table = 16 * 8 * 4  # 8 int32 entries per slot
+    assert contiguous.resident_bytes - paged.resident_bytes == (128 - 40) * page - table
+    assert paged.result.memory.arguments < contiguous.result.memory.arguments
+
+
+@needs_libtpu
 def test_the_servers_interruptible_round_compiles_for_a_v5e_chip():
     """``focus-jax serve`` runs interruptible rounds: a host callback in the round's loop."""
     report = decode_round("focus", "v5e:1x1", None, "pallas_tpu", interruptible_rounds=True)

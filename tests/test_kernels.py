@@ -17,6 +17,8 @@ from focus_jax.compaction import compact
 from focus_jax.testing import random_prompts
 from pallas_kernels.focus_importance import focus_importance
 from pallas_kernels.focus_importance import reference as importance_reference
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import reference as paged_reference
 from pallas_kernels.ragged_attention import ragged_attention
 from pallas_kernels.ragged_attention import reference as attention_reference
 
@@ -96,6 +98,45 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl,
         np.testing.assert_array_equal(np.asarray(given), np.asarray(got))
     valid = np.asarray(valid)
     assert valid.sum() > 0 and (~valid).sum() > 0
+    got, want = (np.asarray(a.astype(jnp.float32)) for a in (got, want))
+    np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
+
+
+# The smallest and largest GQA groups and blocks (the interpreter takes seconds per case).
+PAGED_SHAPES = [SHAPES[0], SHAPES[3], SHAPES[4]]
+
+
+@pytest.mark.parametrize(("impl", "dtype", "tolerance"), cases(bf16_tolerance=2e-2))
+@pytest.mark.parametrize(("group", "head_dim", "block"), PAGED_SHAPES)
+def test_paged_attention_kernel_matches_reference_with_holes_reordered_and_shared_pages(
+        group, head_dim, block, impl, dtype, tolerance):
+    """Slots hold pages of a shuffled pool, two slots share their leading pages (a cached
+    prefix), and table entries past a slot's length are holes or garbage (never read); KV
+    blocks of three pages, so the last block of a full slot runs past its table."""
+    rng = np.random.default_rng(group * 100 + head_dim + block + 1)
+    layers, slots, width = 2, 5, 8
+    kv_heads = HEADS // group
+    pages = slots * width
+    pool = [jnp.asarray(rng.normal(size=(layers, pages, block, kv_heads, head_dim)), dtype)
+            for _ in range(2)]
+    table = rng.permutation(pages).reshape(slots, width).astype(np.int32)
+    table[3, :2] = table[0, :2]             # slot 3 shares slot 0's first two pages
+    kv_len = rng.integers(1, width * block + 1, size=slots)
+    kv_len[1], kv_len[2], kv_len[3] = 0, width * block, max(kv_len[3], 2 * block + 1)
+    for slot in range(slots):               # past the length: holes and garbage
+        used = -(-int(kv_len[slot]) // block)
+        table[slot, used:] = rng.choice([pages, -1, 10**6], size=width - used)
+    keep = rng.uniform(size=(slots, block)) < 0.5
+    keep[0], keep[1], keep[3] = True, False, True  # a slot with every row, a slot with none
+    rows, count = compact(jnp.asarray(keep.reshape(-1)))
+    size = int(count) + 3                   # a bucket with padding rows past the count
+    rows, valid = rows[:size], jnp.arange(size) < count
+    q = jnp.asarray(rng.normal(size=(size, HEADS, head_dim)), dtype)
+    args = (q, rows, valid, *pool, jnp.asarray(table), 1, jnp.asarray(kv_len))
+    options = {"pages_per_block": 3} if impl.startswith("pallas_tpu") else {}
+    got = paged_attention(*args, block_size=block, impl=impl, **options)
+    want = paged_reference.paged_attention(*args, block_size=block)
+    valid = np.asarray(valid)
     got, want = (np.asarray(a.astype(jnp.float32)) for a in (got, want))
     np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
 

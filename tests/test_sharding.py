@@ -39,6 +39,9 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
         data, expert, model = row["mesh"]
         assert row["equal"], row
         assert row["gate_up_shard_shape"] == [3, 16 // expert, 64, 2, 32 // model], row
+    # A paged KV cache on a model=4 mesh: the pool's KV heads split four ways.
+    assert [r.pop("paged") for r in rows if "paged" in r] == [
+        {"equal": True, "pool_shard_shape": [4, 20, 4, 2, 8]}]
     rows = [r for r in rows if r]
     # Data parallel: no activations cross devices inside the step (before each shard stepped
     # its own slots, a data=2 round of the tiny model held 75 all-reduces and 22 all-gathers);

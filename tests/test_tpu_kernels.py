@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from focus_jax import compilation, tpu
 from pallas_kernels.focus_importance import focus_importance, focus_importance_sharded
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_sharded
 
 pytestmark = pytest.mark.skipif(not tpu.libtpu_installed(),
@@ -67,6 +68,24 @@ def test_ragged_attention_kernel_compiles_for_one_chip(generation, geometry, dty
 
     text = compile_for(one_chip_mesh(generation), attend, *attention_inputs(geometry, dtype))
     assert "tpu_custom_call" in text  # the Mosaic kernel, not an XLA stand-in
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("generation", ONE_CHIP)
+def test_paged_attention_kernel_compiles_for_one_chip(generation, geometry, dtype):
+    heads, kv_heads, head_dim, block, slots, positions = GEOMETRIES[geometry]
+    rows, width = slots * block // 2, positions // block
+    pool = ((2, slots * width, block, kv_heads, head_dim), dtype, P())
+
+    def attend(q, rows, valid, k, v, table, kv_len):
+        return paged_attention(q, rows, valid, k, v, table, 1, kv_len, block_size=block,
+                               impl="pallas_tpu")
+
+    text = compile_for(one_chip_mesh(generation), attend, ((rows, heads, head_dim), dtype, P()),
+                       ((rows,), jnp.int32, P()), ((rows,), jnp.bool_, P()), pool, pool,
+                       ((slots, width), jnp.int32, P()), ((slots,), jnp.int32, P()))
+    assert "tpu_custom_call" in text
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)

@@ -19,11 +19,12 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from focus_jax import decoding, sharding
+from focus_jax.cache.pages import PagePool
 from focus_jax.compaction import bucket_ladder
 from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunStats
 from focus_jax.engine.params import RequestError, SamplingParams
-from focus_jax.engine.runner import Runner, default_prefill_batch, slot_positions
+from focus_jax.engine.runner import Runner, default_prefill_batch, pool_pages, slot_positions
 from focus_jax.engine.scheduler import Request, Scheduler
 from focus_jax.interrupts import Interrupt
 from focus_jax.model import Model
@@ -79,11 +80,19 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
                                         slots, devices[0].platform, mesh)
+        pages = None
+        if config.kv_cache == "paged":
+            if mesh is not None and mesh.shape["data"] > 1:
+                raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: "
+                                  "use a mesh without one (data=1) or kv_cache='contiguous'")
+            pages = pool_pages(model, config, block, slots, self.cache_len, devices, mesh)
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or default_prefill_batch(slots),
-                             steps_per_round=config.steps_per_round, mesh=mesh)
+                             steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
         self.model = self.runner.model
-        self.scheduler = Scheduler(slots, self.cache_len, block)
+        self.scheduler = Scheduler(slots, self.cache_len, block,
+                                   pool=None if pages is None else PagePool(pages),
+                                   prefix_caching=config.prefix_caching)
         self.output = OutputProcessor(model.tokenizer if detokenize else None)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -169,6 +178,14 @@ class Engine:
         with self.stats.timed("host_seconds"):
             admitted, refused = self.scheduler.admit()
             outputs += [self._final(r, "error", str(err)) for r, err in refused]
+        if self.scheduler.pool is not None:
+            with self.stats.timed("host_seconds"):
+                grown = self.scheduler.extend_pages(self.config.steps_per_round)
+                changed = {r.slot: r for r in [*admitted, *grown]}
+            if changed:
+                self.runner.assign_pages(list(changed.values()))
+            self.stats.kv_pages = self.scheduler.pool.total
+            self.stats.kv_pages_peak = max(self.stats.kv_pages_peak, self.scheduler.pool.held)
         if admitted:
             with self.stats.timed("prefill_seconds"):
                 for batch in self.scheduler.batches(admitted, self.runner.prefill_batch):
@@ -177,6 +194,8 @@ class Engine:
             now = time.perf_counter()
             for request in admitted:
                 request.stats.admitted_time = now
+                self.scheduler.register_prompt(request)
+                self.output.record_prefill(request, self.block_size)
         if self.scheduler.running:
             with self.stats.timed("decode_seconds"):
                 short = self._short_rounds()
@@ -204,6 +223,7 @@ class Engine:
             start = len(request.prompt)
             try:
                 if results.live[slot]:  # its complete blocks so far
+                    request.history = int(results.history[slot])
                     ids = results.tokens(slot, request.returned, start,
                                          max(start, int(results.history[slot])))
                     out = self.output.output(request, ids)

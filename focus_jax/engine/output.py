@@ -39,6 +39,8 @@ class RequestStats:
     """Token-steps through layers 0-1 over all its steps, commit steps included."""
     retained_tokens: int = 0
     """Token-steps through layers >= 2 over all its steps, commit steps included."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV it shared from the prefix cache instead of prefilling them."""
     arrival_time: float | None = None
     admitted_time: float | None = None
     """When its prefill was done (it decodes from the next round on)."""
@@ -123,6 +125,21 @@ class RunStats:
     host_seconds: float = 0.0
     """Wall time of host work between rounds (statistics, streaming, building prefill batches):
     the device has nothing queued then."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the requests admitted."""
+    cached_prompt_tokens: int = 0
+    """Of those, the ones whose KV came from the prefix cache (shared pages)."""
+    prefilled_tokens: int = 0
+    """Prompt positions whose KV prefill computed and wrote (whole blocks not cached)."""
+    kv_pages: int = 0
+    """Pages of a paged KV cache's pool (0: the contiguous cache)."""
+    kv_pages_peak: int = 0
+    """The most pages requests held at once."""
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens reused from the prefix cache / prompt tokens."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @contextlib.contextmanager
     def timed(self, field: str) -> Iterator[None]:
@@ -152,6 +169,15 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
         self.stats = RunStats()
+
+    def record_prefill(self, request: Any, block_size: int) -> None:
+        """Count an admitted request's prompt: its tokens, those it shares from the prefix
+        cache, and those prefill wrote."""
+        cached = request.cached_blocks * block_size
+        request.stats.cached_prompt_tokens = cached
+        self.stats.prompt_tokens += len(request.prompt)
+        self.stats.cached_prompt_tokens += cached
+        self.stats.prefilled_tokens += len(request.prompt) // block_size * block_size - cached
 
     def record_round(self, results: decoding.RoundResults, requests: dict[int, Any]) -> None:
         """Add a round's step counts to the run's statistics and to each running request's

@@ -15,7 +15,8 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from focus_jax import compilation, decoding, interrupts, sharding
-from focus_jax.config import ConfigError
+from focus_jax.cache import PagedCache
+from focus_jax.config import ConfigError, GenerationConfig
 from focus_jax.distributed import to_host
 from focus_jax.engine.params import slot_params_rows
 from focus_jax.engine.scheduler import Request
@@ -68,16 +69,18 @@ def prefill_rows(prefill_batch: int) -> tuple[int, ...]:
 class Runner:
     """The decode state of ``slots`` slots of ``cache_len`` positions, and the programs that
     change it. The state is allocated already sharded over ``mesh`` (slots and cache over
-    ``data``, KV heads over ``model``)."""
+    ``data``, KV heads over ``model``). ``pages``: a paged KV cache of that many pages (the
+    host hands slots their pages: :meth:`assign_pages`); ``None``: the contiguous cache."""
 
     def __init__(self, model: Model, settings: decoding.DecodeSettings, *, slots: int,
                  cache_len: int, prefill_batch: int, steps_per_round: int,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, pages: int | None = None):
         cfg = model.config
         self.settings, self.slots, self.cache_len = settings, slots, cache_len
         self.prefill_batch, self.steps_per_round = prefill_batch, steps_per_round
+        self.pages = pages
         make_state = functools.partial(decoding.init_state, cfg, slots, cache_len,
-                                       settings.block_size, settings.mask_token_id)
+                                       settings.block_size, settings.mask_token_id, pages)
         shapes = jax.eval_shape(make_state)
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
@@ -89,14 +92,17 @@ class Runner:
         else:
             placed = SingleDeviceSharding(devices[0])
         self.state = compilation.PROGRAMS.get(
-            ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, placed),
+            ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, pages,
+             placed),
             lambda: jax.jit(make_state, out_shardings=placed))()
         self.model = model
         platform = devices[0].platform
         self._prefill = compilation.prefill_program(platform, model.graphdef, settings, slots,
-                                                    cache_len)
+                                                    cache_len, pages)
         self._round = compilation.decode_round_program(platform, model.graphdef, settings,
-                                                       steps_per_round, slots, cache_len)
+                                                       steps_per_round, slots, cache_len, pages)
+        self._prefix_prefill = compilation.prefix_prefill_program(
+            platform, model.graphdef, settings, slots, cache_len, pages)
         self._release = compilation.release_program
         self._platform = platform
         self.interrupt = interrupts.Interrupt()
@@ -119,14 +125,29 @@ class Runner:
             self._prefill_rows(batch, self.prefill_batch)
 
     def _prefill_rows(self, batch: Sequence[Request], n: int) -> None:
-        length = self.prompt_bucket(max(len(r.prompt) for r in batch))
-        tokens = np.full((n, length), self.settings.mask_token_id, np.int32)
-        lengths = np.ones((n,), np.int32)
+        """Prefill ``batch`` as ``n`` rows. Where a request shares cached prompt blocks
+        (``Request.cached_blocks``) only the positions after them are run: each row from its
+        own start, over the bucket of the longest such rest, reading the cached positions up to
+        the bucket of the largest start."""
+        starts = [r.cached_blocks * self.settings.block_size for r in batch]
+        if any(starts):
+            computed = self.prompt_bucket(max(len(r.prompt) - s
+                                              for r, s in zip(batch, starts, strict=True)))
+            width = self.prompt_bucket(max(starts)) + computed
+        else:
+            width = self.prompt_bucket(max(len(r.prompt) for r in batch))
+        tokens = np.full((n, width), self.settings.mask_token_id, np.int32)
+        lengths, start = np.ones((n,), np.int32), np.zeros((n,), np.int32)
         slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
         for row, request in enumerate(batch):
             tokens[row, :len(request.prompt)] = request.prompt
-            lengths[row], slot_ids[row] = len(request.prompt), request.slot
-        self._run_prefill(tokens, lengths, slot_ids, slot_params_rows([r.params for r in batch], n))
+            lengths[row], slot_ids[row], start[row] = len(request.prompt), request.slot, starts[row]
+        params = slot_params_rows([r.params for r in batch], n)
+        if any(starts):
+            self.state = self._prefix_prefill(self.model.params, self.state, tokens, lengths,
+                                              start, slot_ids, params, computed=computed)
+        else:
+            self._run_prefill(tokens, lengths, slot_ids, params)
 
     def _run_prefill(self, tokens: np.ndarray, lengths: np.ndarray, slot_ids: np.ndarray,
                      params: decoding.SlotParams) -> None:
@@ -137,6 +158,17 @@ class Runner:
         padded = np.full((self.slots,), self.slots, np.int32)
         padded[:len(slots)] = slots
         self.state = self._release(self.state, padded)
+
+    def assign_pages(self, requests: Sequence[Request]) -> None:
+        """Write the page-table rows of the requests' slots (a paged cache): each request's
+        pages in position order (``Request.pages``)."""
+        width = self.cache_len // self.settings.block_size
+        slot_ids = np.full((self.slots,), self.slots, np.int32)  # padding rows: dropped
+        table = np.full((self.slots, width), self.pages, np.int32)
+        for row, request in enumerate(requests):
+            slot_ids[row] = request.slot
+            table[row, :len(request.pages)] = request.pages
+        self.state = compilation.set_pages_program(self.state, slot_ids, table)
 
     def decode_round(self, stop_on_finish: bool, steps: int | None = None,
                      stop_on_first_output: bool = False) -> decoding.RoundResults:
@@ -186,8 +218,40 @@ class Runner:
         for rows in padding:
             self._run_prefill(*rows)
         self.release([])
+        if self.pages is not None:
+            self.assign_pages([])
         self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
+
+
+KV_MEMORY_FRACTION = 0.85
+"""The share of the device memory left after the weights that a paged cache's pool takes when
+it is not sized explicitly: the rest holds the programs' temporaries."""
+
+
+def pool_pages(model: Model, config: GenerationConfig, block_size: int, slots: int,
+               cache_len: int, devices: Sequence[jax.Device], mesh: Mesh | None) -> int:
+    """Pages in a paged cache's pool: ``config.kv_pages``; else as many as
+    ``config.kv_cache_memory`` bytes per device hold; else ``KV_MEMORY_FRACTION`` of the memory
+    left after the weights on the fullest device; on devices that do not report their memory
+    (CPUs), as many as a contiguous cache of ``slots`` x ``cache_len`` positions."""
+    if config.kv_pages is not None:
+        return config.kv_pages
+    page_bytes = PagedCache.page_bytes(model.config, block_size,
+                                       mesh.shape["model"] if mesh is not None else 1)
+    memory = config.kv_cache_memory
+    if memory is None:
+        free = free_bytes(model.params, devices)
+        if free is None:
+            return slots * (cache_len // block_size)
+        weights = sharding.bytes_per_device(
+            model.params, None if mesh is None else sharding.param_shardings(model.params, mesh))
+        memory = int(KV_MEMORY_FRACTION * (free - weights))
+    pages = memory // page_bytes
+    if pages < 1:
+        raise ConfigError(f"the KV cache's memory ({_size(memory)} per device) holds no page of "
+                          f"{_size(page_bytes)}: give it more (kv_cache_memory)")
+    return pages
 
 
 def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
@@ -198,14 +262,10 @@ def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
     (sharded over ``mesh``, or on ``devices[0]``), do not fit the devices' memory. Weights
     already on a device count as free there: they are moved, not added. Devices that do not
     report their memory (CPUs) are not checked."""
-    # Only this process's devices can report (the others are checked by their own processes).
-    own = [d for d in devices if d.process_index == jax.process_index()]
-    stats = [d.memory_stats() for d in own]
-    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+    free = free_bytes(params, devices)
+    if free is None:
         return
     needed = sharding.resident_bytes(params, state, mesh)
-    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(params, d)
-               for d, s in zip(own, stats, strict=True))
     if needed.total > free:
         raise ConfigError(
             f"the weights ({_size(needed.weights)} per device) and the decode state ({slots} "
@@ -214,6 +274,19 @@ def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
             f"{_size(needed.total)} per device, but {_size(free)} are free: use fewer slots "
             f"(batch size), a shorter cache (shorter prompts or fewer max_new_tokens) or more "
             f"devices")
+
+
+def free_bytes(params: nnx.State, devices: Sequence[jax.Device]) -> int | None:
+    """The least memory free on any of this process's ``devices``, counting the weights
+    ``params`` already on a device as free there (they are moved, not added); None where a
+    device does not report its memory (CPUs). Only this process's devices can report: the
+    others are checked by their own processes."""
+    own = [d for d in devices if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() for d in own]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return None
+    return min(s["bytes_limit"] - s.get("bytes_in_use", 0) + sharding.bytes_on(params, d)
+               for d, s in zip(own, stats, strict=True))
 
 
 def _size(n: int) -> str:

@@ -267,6 +267,29 @@ def forward_hidden(model: Decoder, tokens: Int[Array, "b t"], positions: Int[Arr
     return model.scan_layers(body, model.embed_tokens(tokens), unroll=unroll)
 
 
+def forward_after_prefix(model: Decoder, tokens: Int[Array, "b t"], positions: Int[Array, "b t"],
+                         prefix_k: Float[Array, "layers b p kvh d"],
+                         prefix_v: Float[Array, "layers b p kvh d"],
+                         prefix_visible: Bool[Array, "b p"], block_size: int,
+                         mesh: Mesh | None = None):
+    """Block-causal forward of ``tokens`` that continue a sequence whose earlier keys and values
+    are given (a cached prompt prefix): each row's tokens start at a block boundary
+    (``positions``), see each other block-causally and see the prefix positions
+    ``prefix_visible``. Returns the last hidden states ``[b, t, e]`` and every layer's keys and
+    values of ``tokens`` ``[L, b, t, KVH, D]``."""
+    b, t = tokens.shape
+    mask = jnp.concatenate([jnp.broadcast_to(prefix_visible[:, None, :], (b, t, prefix_k.shape[2])),
+                            jnp.broadcast_to(block_causal_mask(t, block_size), (b, t, t))], axis=-1)
+
+    def body(layer: Layer, x: jax.Array, prefix: tuple[jax.Array, jax.Array]):
+        q, k, v = layer.qkv(x, positions)
+        keys = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
+        return layer.finish(x, dense_attention(q, keys, values, mask), mesh=mesh), (k, v)
+
+    return model.scan_layers(body, model.embed_tokens(tokens), xs=(prefix_k, prefix_v))
+
+
 def router_choices(model: Decoder, tokens: Int[Array, "b t"],
                    block_size: int) -> Int[Array, "layers b t k"]:
     """Every layer's chosen experts in the uncached block-causal forward, ascending per token

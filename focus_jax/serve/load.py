@@ -51,6 +51,8 @@ class Workload:
     max_prompt_len: int = bench.PROMPT_MAX
     prompt_format: str = "text"
     """``text`` (detokenised ids) or ``ids`` (token-id lists)."""
+    shared_prefix: int = 0
+    """Tokens of one system prompt every prompt begins with (seeded; 0: none)."""
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.max_tokens < 1:
@@ -65,6 +67,9 @@ class Workload:
         cfg = ModelConfig.from_file(model_dir / "config.json")
         lengths = bench.prompt_lengths(self.num_requests, self.seed, self.max_prompt_len)
         ids = bench.random_prompts(cfg, lengths, self.seed + 1)
+        if self.shared_prefix:
+            system = bench.random_prompts(cfg, [self.shared_prefix], self.seed + 5)[0]
+            ids = [system + p for p in ids]
         if self.prompt_format == "ids":
             return ids
         tokenizer = load_tokenizer(model_dir)
@@ -195,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-len", type=int, default=bench.PROMPT_MAX)
     parser.add_argument("--prompt-format", choices=("text", "ids"), default="text")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens of a system prompt every prompt begins with (default: none)")
     parser.add_argument("--warmup-requests", type=int, default=0,
                         help="requests sent (all at once) before the timed run, not counted")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
@@ -202,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         workload = Workload(args.num_requests, args.rate, args.max_tokens, args.seed,
-                            args.max_prompt_len, args.prompt_format)
+                            args.max_prompt_len, args.prompt_format, args.shared_prefix)
         prompts = workload.prompts(args.model_dir)
         result = asyncio.run(run(args.url, workload, prompts, model=args.model,
                                  api_key=args.api_key, timeout=args.timeout,

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own.
 
-Requests by outcome, queue length and running slots, tokens, time to the first committed block
-and end-to-end latency (both from the request's arrival at the server), and tokens decoded per
-denoising step of each request; plus the engine's own counters (steps, token-steps through the
+Requests by outcome, queue length and running slots, tokens (prompt tokens from the prefix
+cache among them), KV cache pages used and in all (a paged cache), time to the first committed
+block and end-to-end latency (both from the request's arrival at the server), and tokens decoded
+per denoising step of each request; plus the engine's own counters (steps, token-steps through the
 layers) and the XLA compilations since serving began, read when scraped.
 """
 
@@ -42,6 +43,16 @@ class ServerMetrics:
         Gauge("focus_jax_slots", "Slots of the engine", registry=r).set(engine.engine.slots)
         self.prompt_tokens = Counter("focus_jax_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
+        self.prefix_hit_tokens = Counter(
+            "focus_jax_prefix_cache_hit_tokens",
+            "Prompt tokens of finished requests whose KV came from the prefix cache (hit rate: "
+            "over focus_jax_prompt_tokens_total)", registry=r)
+        pool = engine.engine.scheduler.pool
+        if pool is not None:  # a paged KV cache
+            Gauge("focus_jax_kv_pages_used", "KV cache pages requests hold",
+                  registry=r).set_function(lambda: pool.held)
+            Gauge("focus_jax_kv_pages_total", "KV cache pages in the pool",
+                  registry=r).set(pool.total)
         self.generated_tokens = Counter("focus_jax_generated_tokens",
                                         "Tokens generated for clients (usage completion_tokens)",
                                         registry=r)
@@ -65,6 +76,7 @@ class ServerMetrics:
         self.generated_tokens.inc(completion_tokens)
         if out is not None:
             self.prompt_tokens.inc(out.prompt_tokens)
+            self.prefix_hit_tokens.inc(out.stats.cached_prompt_tokens)
             for decoded in out.stats.decoded_per_step:
                 self.decoded_per_step.observe(decoded)
 

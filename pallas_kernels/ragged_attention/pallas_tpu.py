@@ -77,8 +77,13 @@ def matmul_precision(dtype) -> jax.lax.Precision | None:
     return None if jnp.dtype(dtype).itemsize == 4 else jax.lax.Precision.DEFAULT
 
 
-def _kernel(kv_len_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref, *,
-            block_kv: int, scale: float, precision: jax.lax.Precision | None):
+def attend_kv_block(kv_len_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref,
+                    *, block_kv: int, scale: float, precision: jax.lax.Precision | None):
+    """The body of a program of grid ``(slot, kv block)``: the online softmax of the slot's
+    query tiles ``q_ref [KVH, T, D]`` over the KV block ``k_ref``, ``v_ref [block_kv, KVH, D]``
+    (positions ``kv_block * block_kv`` on; those at or past ``kv_len`` masked, a block wholly
+    past it skipped), the output written after the last block. Also the paged kernel's
+    (:mod:`pallas_kernels.paged_attention.pallas_tpu`), which fills the KV block from pages."""
     del layer_ref  # used by the index maps only
     slot, kv_block = pl.program_id(0), pl.program_id(1)
     kv_len = kv_len_ref[slot]
@@ -150,14 +155,7 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
         # body's result has none; the result of an operation here is typed afresh (a copy
         # primitive keeps the type).
         k_cache, v_cache = k_cache * 1, v_cache * 1
-    flat = jnp.where(valid, rows, slots * b)
-    has_rows = jnp.zeros((slots,), bool).at[flat // b].set(True, mode="drop")
-    kv_len = jnp.where(has_rows, kv_len, 0).astype(jnp.int32)
-    # [S*B, H, D] -> per slot and KV head, the B positions times the group's query heads.
-    tiles = jnp.zeros((slots * b, h, d), q.dtype).at[flat].set(q, mode="drop")
-    tiles = tiles.reshape(slots, b, kv_heads, group, d).transpose(0, 2, 1, 3, 4)
-    tiles = jnp.pad(tiles.reshape(slots, kv_heads, b * group, d),
-                    ((0, 0), (0, 0), (0, tile_rows - b * group), (0, 0)))
+    flat, tiles, kv_len = query_tiles(q, rows, valid, kv_len, slots, b, kv_heads, tile_rows)
 
     def kv_index(s, kb, lengths, layer_):
         last = jnp.maximum(lengths[s] - 1, 0) // block_kv
@@ -167,7 +165,7 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
     kv_spec = pl.BlockSpec((None, None, block_kv, kv_heads, d), kv_index)
     vmem = vmem_bytes(tile_rows, kv_heads, d, block_kv, k_cache.dtype)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_kv=block_kv, scale=d ** -0.5,
+        functools.partial(attend_kv_block, block_kv=block_kv, scale=d ** -0.5,
                           precision=matmul_precision(q.dtype)),
         out_shape=jax.ShapeDtypeStruct(
             tiles.shape, q.dtype,
@@ -183,5 +181,32 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=min(max(16 * 2 ** 20, 2 * vmem), VMEM_LIMIT_MAX)),
     )(kv_len, jnp.asarray(layer, jnp.int32).reshape(1), tiles, k_cache, v_cache)
+    return rows_from_tiles(out, flat, b, group)
+
+
+def query_tiles(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
+                kv_len: Int[Array, "s"], slots: int, block_size: int, kv_heads: int,
+                tile_rows: int) -> tuple[Int[Array, "n"], Float[Array, "s kvh t d"],
+                                         Int[Array, "s"]]:
+    """The compacted rows' flat indices (padding: ``S * B``), their query tiles (per slot and
+    KV head, the ``B`` positions times the group's query heads, padded to ``tile_rows``), and
+    ``kv_len`` with slots that have no rows at 0 (they fetch and compute nothing)."""
+    _, h, d = q.shape
+    b, group = block_size, h // kv_heads
+    flat = jnp.where(valid, rows, slots * b)
+    has_rows = jnp.zeros((slots,), bool).at[flat // b].set(True, mode="drop")
+    kv_len = jnp.where(has_rows, kv_len, 0).astype(jnp.int32)
+    tiles = jnp.zeros((slots * b, h, d), q.dtype).at[flat].set(q, mode="drop")
+    tiles = tiles.reshape(slots, b, kv_heads, group, d).transpose(0, 2, 1, 3, 4)
+    tiles = jnp.pad(tiles.reshape(slots, kv_heads, b * group, d),
+                    ((0, 0), (0, 0), (0, tile_rows - b * group), (0, 0)))
+    return flat, tiles, kv_len
+
+
+def rows_from_tiles(out: Float[Array, "s kvh t d"], flat: Int[Array, "n"], block_size: int,
+                    group: int) -> Float[Array, "n h d"]:
+    """The output tiles back at the compacted rows (:func:`query_tiles`' ``flat``)."""
+    slots, kv_heads, _, d = out.shape
+    b = block_size
     out = out[:, :, :b * group].reshape(slots, kv_heads, b, group, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(slots * b, h, d)[jnp.clip(flat, 0, slots * b - 1)]
+    return out.reshape(slots * b, kv_heads * group, d)[jnp.clip(flat, 0, slots * b - 1)]

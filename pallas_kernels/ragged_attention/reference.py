@@ -86,18 +86,20 @@ def slot_layout(rows: Int[Array, "n"], valid: Bool[Array, "n"], slots: int,
 
 def gpu_layout(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool[Array, "n"],
                k_cache: Float[Array, "layers s m kvh d"], v_cache: Float[Array, "layers s m kvh d"],
-               block_size: int, block_m: int,
-               layout: SlotLayout | None = None) -> tuple[int, SlotLayout, int]:
+               block_size: int, block_m: int, layout: SlotLayout | None = None,
+               slots: int | None = None) -> tuple[int, SlotLayout, int]:
     """What the GPU kernels (grid: query tile, KV head, slot) derive from their arguments: the
     GQA group, the rows' :class:`SlotLayout` (``layout`` if given), and the query-tile height
     (the ``block_size * group`` query vectors of a slot, at most ``block_m`` and at least 16 at
-    a time, a power of two). Raises ``ValueError`` for a cache dtype other than the queries'."""
+    a time, a power of two). Raises ``ValueError`` for a cache dtype other than the queries'.
+    ``slots``: the slot count, where the caches' axis 1 is not it (a paged pool's pages)."""
     group = q.shape[1] // k_cache.shape[3]
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         # Casting here would copy the whole cache (every layer) on every call.
         raise ValueError(f"ragged_attention: cache dtype {k_cache.dtype} differs from the "
                          f"queries' {q.dtype}")
     if layout is None:
-        layout = slot_layout(rows, valid, k_cache.shape[1], block_size)
+        layout = slot_layout(rows, valid, k_cache.shape[1] if slots is None else slots,
+                             block_size)
     vectors = block_size * group
     return group, layout, min(block_m, max(16, 1 << (vectors - 1).bit_length()))
