@@ -113,12 +113,14 @@ def _quantization(args: argparse.Namespace) -> Quantization | None:
 def _add_kv_cache_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", choices=KV_LAYOUTS, default="contiguous",
                         help="KV cache layout: contiguous (every slot reserves the whole context) "
-                             "or paged (a pool of one-block pages; requests hold their worst case)")
+                             "or paged (a pool of one-block pages; requests hold their worst "
+                             "case; default: contiguous)")
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="paged: GiB per device for the page pool (default: 85%% of the memory "
                              "left after the weights)")
     parser.add_argument("--kv-pages", type=int, default=None,
-                        help="paged: pages in the pool (overrides --kv-cache-memory)")
+                        help="paged: pages in the pool (overrides --kv-cache-memory; default: from "
+                             "the memory)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="paged: share the KV of whole prompt blocks requests have in common "
                              "(prefilled once)")
@@ -829,7 +831,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                     help="denoising steps per device round (admissions happen between rounds)")
     be.add_argument("--long-prompts", default=None,
                     help="closed loop: FRACTION:MIN:MAX, that fraction of the requests with "
-                         "prompts of MIN to MAX tokens (e.g. 0.05:4096:8192)")
+                         "prompts of MIN to MAX tokens (e.g. 0.05:4096:8192; default: none)")
     be.add_argument("--max-model-len", type=int, default=None,
                     help="closed loop: positions per slot (default: the longest prompt plus "
                          "--max-new-tokens)")

@@ -28,8 +28,8 @@ from pallas_kernels.ragged_attention.pallas_tpu import (
     LANES,
     MAX_BLOCK_KV,
     VMEM_BUDGET,
-    VMEM_LIMIT_MAX,
     attend_kv_block,
+    compiler_params,
     matmul_precision,
     query_tiles,
     rows_from_tiles,
@@ -127,9 +127,7 @@ def paged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Bool
                             pltpu.VMEM((kv_heads, tile_rows, LANES), jnp.float32),
                             pltpu.VMEM((kv_heads, tile_rows, d), jnp.float32)]),
         interpret=interpret,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=min(max(16 * 2 ** 20, 2 * vmem), VMEM_LIMIT_MAX)),
+        compiler_params=compiler_params(vmem),
     )(kv_len, jnp.asarray(layer, jnp.int32).reshape(1),
       page_table.reshape(-1).astype(jnp.int32), tiles, k_pages, v_pages)
     return rows_from_tiles(out, flat, b, group)

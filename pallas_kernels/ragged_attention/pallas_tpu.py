@@ -39,6 +39,15 @@ VMEM_BUDGET = 12 * 2 ** 20
 VMEM_LIMIT_MAX = 64 * 2 ** 20
 """A cap on the scoped VMEM a program asks Mosaic for (twice its plan, at least the 16 MiB
 default); a plan within :data:`VMEM_BUDGET` asks for at most 24 MiB."""
+
+
+def compiler_params(vmem: int) -> pltpu.CompilerParams:
+    """Slots in parallel, KV blocks in order; scoped VMEM for a plan of ``vmem`` bytes (twice
+    it, at least the 16 MiB default, at most :data:`VMEM_LIMIT_MAX`)."""
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                vmem_limit_bytes=min(max(16 * 2 ** 20, 2 * vmem), VMEM_LIMIT_MAX))
+
+
 MAX_BLOCK_KV = 512
 
 
@@ -177,9 +186,7 @@ def ragged_attention(q: Float[Array, "n h d"], rows: Int[Array, "n"], valid: Boo
                             pltpu.VMEM((kv_heads, tile_rows, LANES), jnp.float32),
                             pltpu.VMEM((kv_heads, tile_rows, d), jnp.float32)]),
         interpret=interpret,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=min(max(16 * 2 ** 20, 2 * vmem), VMEM_LIMIT_MAX)),
+        compiler_params=compiler_params(vmem),
     )(kv_len, jnp.asarray(layer, jnp.int32).reshape(1), tiles, k_cache, v_cache)
     return rows_from_tiles(out, flat, b, group)
 
