@@ -383,6 +383,20 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None,
                                                    else None))
             at = (layers.index(index),) if expert is None else (layers.index(index), expert)
             slot.put(at, tensor)
+    pending += _stacked(collected, table, cfg, folder, dtype_of)
+    if cfg.tie_word_embeddings:
+        pending = [p for p in pending if p.path != ("lm_head",)]
+    if on_device is None:
+        on_device = mesh is None and jax.default_backend() != "cpu"
+    return _fill(abstract, pending, folder, mesh, on_device)
+
+
+def _stacked(collected: dict[tuple[str, bool], _Collected], table: KeyTable, cfg: ModelConfig,
+             folder: Path, dtype_of: Callable[[tuple[str, ...], np.ndarray], Any]
+             ) -> list[_Pending]:
+    """The per-layer (and per-expert) parameters from the stacks read: each name's stack, or a
+    fused weight's parts together; a one-line error for a layer or a part that is missing."""
+    pending: list[_Pending] = []
     for (name, expert), slot in collected.items():
         if not slot.filled.all():
             missing = sorted({int(i) for i in np.argwhere(~slot.filled)[:, 0]})
@@ -413,11 +427,7 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None,
 
         pending.append(_Pending(path, raws, joined, 2 if expert else 1,
                                 dtype_of(path, raws[0])))
-    if cfg.tie_word_embeddings:
-        pending = [p for p in pending if p.path != ("lm_head",)]
-    if on_device is None:
-        on_device = mesh is None and jax.default_backend() != "cpu"
-    return _fill(abstract, pending, folder, mesh, on_device)
+    return pending
 
 
 def _fill(model: Decoder, pending: list[_Pending], origin: Path, mesh: Mesh | None,
