@@ -205,10 +205,13 @@ class BenchResult(_Throughput):
 def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
         seed: int = 0, block_size: int | None = None, progress: bool = False,
         mesh: Mesh | None = None, long_prompts: tuple[float, int, int] | None = None,
-        max_model_len: int | None = None, **generation: object) -> list[BenchResult]:
+        max_model_len: int | None = None, compile_only: bool = False,
+        **generation: object) -> list[BenchResult]:
     """Serve ``requests`` random prompts with ``batch`` slots in each mode; greedy decoding.
     ``long_prompts``: a fraction of long prompts (:func:`prompt_lengths`); ``max_model_len``:
-    positions per slot (default: the longest prompt plus ``max_new_tokens``)."""
+    positions per slot (default: the longest prompt plus ``max_new_tokens``); ``compile_only``:
+    warm up (into the persistent compilation cache, if on) and serve nothing: the results carry
+    only the warm-up's figures."""
     cfg = model.config
     block = block_size or cfg.block_size or 32
     configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
@@ -219,12 +222,13 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     prompts = random_prompts(cfg, lengths, seed + 1)
     # The engine rounds it up to whole blocks.
     cache_len = max_model_len or max(lengths) + max_new_tokens
-    return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh)
+    return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh, compile_only)
             for config in configs]
 
 
 def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[list[int]],
-              cache_len: int, progress: bool, mesh: Mesh | None) -> BenchResult:
+              cache_len: int, progress: bool, mesh: Mesh | None,
+              compile_only: bool = False) -> BenchResult:
     """One mode's run. Its engine (and KV cache) is gone when this returns, before the next
     mode's engine allocates its own: two caches at once would not fit at large batch."""
     cfg = model.config
@@ -233,6 +237,14 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
     with count_compilations() as warmup:
         engine.warmup(prompt_lengths=[len(p) for p in prompts])
     compile_seconds = time.perf_counter() - start
+    if compile_only:
+        return BenchResult(
+            mode=config.mode, batch=batch, requests=0, generated_tokens=0, wall_seconds=0.0,
+            steps=0, processed_per_step=0.0, retained_per_step=0.0, decoded_per_step=0.0,
+            sampled_per_step=0.0, model_flops=0.0, compile_seconds=compile_seconds,
+            decode_seconds=0.0, prefill_seconds=0.0, host_seconds=0.0, compilations=0,
+            warmup_compiled=warmup.compiled, warmup_loaded=warmup.loaded,
+            kv_cache=config.kv_cache)
     for prompt in prompts:
         engine.add_request(prompt)
     with count_compilations() as compilations:

@@ -388,15 +388,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_kernels(args.kernels)
     rates = _positive_rates(args.request_rate) if args.request_rate else None
     _long_prompts(args)
+    if args.compile_only and (rates or args.no_compile_cache):
+        raise ConfigError("--compile-only fills the compilation cache for closed-loop runs: "
+                          "it takes neither --request-rate nor --no-compile-cache")
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
     quantization = _quantization(args)
     model = (bench.random_model(args.geometry, quantization=quantization) if args.geometry
              else load_model(args.model, quantize=quantization))
-    peak = bench.measured_bf16_peak()
+    peak = 0.0 if args.compile_only else bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
-        f"measured bf16 peak {peak / 1e12:.3g} TFLOP/s")
+        + ("compiling only" if args.compile_only else
+           f"measured bf16 peak {peak / 1e12:.3g} TFLOP/s"))
     runs = (_open_loop_rows(args, model, mesh, ladder, batches, modes, rates) if rates else
             _closed_loop_rows(args, model, mesh, ladder, batches, modes, peak))
     rows = []
@@ -418,7 +422,15 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
     for batch in batches:
         for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
                            args.max_new_tokens, mesh=mesh, long_prompts=_long_prompts(args),
-                           max_model_len=args.max_model_len, **generation):
+                           max_model_len=args.max_model_len, compile_only=args.compile_only,
+                           **generation):
+            if args.compile_only:
+                yield dataclasses.asdict(r), (
+                    f"{args.model or args.geometry or BUNDLED_MODEL.name} bs{batch} "
+                    f"{mode_label(r.mode, args.commit_refresh):8s} compiled in "
+                    f"{r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
+                    f"{r.warmup_loaded} from cache)")
+                continue
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                    "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
                    "decode_mfu": r.decode_mfu(peak * jax.device_count()),
@@ -837,6 +849,10 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                          "--max-new-tokens)")
     be.add_argument("--json", default=None,
                     help="write the rows (and MFU) to this file (default: print only)")
+    be.add_argument("--compile-only", action="store_true",
+                    help="closed loop: compile every run's programs into the compilation cache "
+                         "and serve nothing (fill the cache from parallel processes, then time "
+                         "the runs one after another; default: off)")
     _add_quantize_options(be)
     _add_kernels_option(be)
     _add_kv_cache_options(be)

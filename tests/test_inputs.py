@@ -161,6 +161,7 @@ def test_prompts_file_that_is_a_folder_or_not_utf8_is_named(tmp_path, capsys):
     (["bench", "--batches", "8,many"], ["--batches '8,many'"]),
     (["bench", "--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["bench", "--kernels", "triton"], ["--kernels", "'triton' run only on GPUs", "CPU"]),
+    (["bench", "--compile-only", "--request-rate", "2"], ["--compile-only", "--request-rate"]),
     (["serve", "--kernels", "pallas_triton"], ["--kernels", "only on GPUs"]),
     (["demo", "--max-new-tokens", "0"], ["max_new_tokens"]),
 ])
@@ -207,6 +208,15 @@ def test_bench_hands_its_kernels_and_ladder_to_every_run(model_dir, capsys, monk
     assert code == 0 and len(seen) == 2
     assert all(k["kernels"] == "xla" and k["bucket_ladder"] == (0.5, 1.0)
                and k["commit_refresh"] is True for k in seen)
+
+
+def test_bench_compile_only_warms_up_and_serves_nothing(model, monkeypatch):
+    def no_serving(*args, **kwargs):
+        raise AssertionError("--compile-only served requests")
+
+    monkeypatch.setattr(bench, "run_to_completion", no_serving)
+    [r] = bench.run(model, ["delayed"], 2, 2, 8, block_size=4, compile_only=True)
+    assert r.warmup_compiled + r.warmup_loaded > 0 and r.generated_tokens == 0
 
 
 def free_port() -> int:
