@@ -235,7 +235,7 @@ def _run_mode(model: Model, config: GenerationConfig, batch: int, prompts: list[
     engine = Engine(model, config, slots=batch, cache_len=cache_len, mesh=mesh, detokenize=False)
     start = time.perf_counter()
     with count_compilations() as warmup:
-        engine.warmup(prompt_lengths=[len(p) for p in prompts])
+        engine.warmup(prompt_lengths=[len(p) for p in prompts], run=not compile_only)
     compile_seconds = time.perf_counter() - start
     if compile_only:
         return BenchResult(

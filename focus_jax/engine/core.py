@@ -156,12 +156,12 @@ class Engine:
             self._pending.append(self._final(request, "abort"))
 
     # ------------------------------------------------------------------------------------ running
-    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
-        """Compile every program a run can need (see :meth:`Runner.warmup`), so that serving never
-        compiles mid-way. Must run before requests are started."""
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, run: bool = True) -> None:
+        """Compile every program a run can need (see :meth:`Runner.warmup`; ``run=False``: only
+        compile), so that serving never compiles mid-way. Must run before requests are started."""
         if self.scheduler.running:
             raise RuntimeError("warmup() must run before requests are started")
-        self.runner.warmup(prompt_lengths)
+        self.runner.warmup(prompt_lengths, run)
 
     def step(self) -> list[RequestOutput]:
         """One round: release aborted slots, admit and prefill waiting requests, run the decode

@@ -194,11 +194,12 @@ class Runner:
         compiled program: memory, HLO, cost)."""
         return self._round.lower(*self._round_args(False))
 
-    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, run: bool = True) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
         release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket (or
         at the buckets of ``prompt_lengths`` when they are known). Runs them on padding only:
-        nothing changes.
+        nothing changes. ``run=False``: compile the round and the prefills ahead of time and run
+        nothing (no temporaries allocated: filling a compilation cache).
 
         Every round runs this one decode round: a program with another bucket ladder (a faster
         compile, say) multiplies other row counts, which in bfloat16 can flip a near-tie token,
@@ -211,10 +212,12 @@ class Runner:
         padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                     np.full((n,), self.slots, np.int32), slot_params_rows([], n))
                    for n, length in itertools.product(prefill_rows(self.prefill_batch), buckets)]
-        if compilation.WARMUP_WORKERS > 1:  # compiled side by side first, the round the longest
+        if compilation.WARMUP_WORKERS > 1 or not run:  # side by side first, the round the longest
             compilation.compile_together(
                 [(self._round, self._round_args(False))]
                 + [(self._prefill, (self.model.params, self.state, *rows)) for rows in padding])
+        if not run:
+            return
         for rows in padding:
             self._run_prefill(*rows)
         self.release([])
