@@ -50,8 +50,9 @@ UnmaskingRule = Literal["low_confidence_dynamic", "low_confidence_static", "sequ
 
 
 def mode_label(mode: str, commit_refresh: bool) -> str:
-    """A mode as reports name it: ``+ refresh`` where blocks are refreshed at their commit."""
-    return f"{mode} + refresh" if commit_refresh else mode
+    """A mode as reports name it: ``+ refresh`` where blocks are refreshed at their commit
+    (``baseline`` rewrites its block's KV every step: the option changes nothing there)."""
+    return f"{mode} + refresh" if commit_refresh and mode != "baseline" else mode
 
 
 class ConfigError(ValueError):
@@ -385,7 +386,7 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    commit_refresh: bool = False
+    commit_refresh: bool = True
     """At each block's commit step, run all its slots through every layer once more with their
     final tokens, so that the block's KV equals what ``baseline`` holds instead of the delayed
     cache's, frozen while slots to their right were still masks (``delayed`` and ``focus``; one

@@ -68,8 +68,8 @@ def test_eval_reports_every_task_and_mode_and_writes_markdown(model_dir, tmp_pat
     out, _ = capsys.readouterr()
     table = written.read_text()
     assert code == 0 and table.strip() in out
-    for row in ("| baseline (0.9) |", "| focus (0.8) |", "| copy, baseline |", "| copy, focus |",
-                "| add, baseline |", "| add, focus |"):
+    for row in ("| baseline (0.9) |", "| focus + refresh (0.8) |", "| copy, baseline |",
+                "| copy, focus + refresh |", "| add, baseline |", "| add, focus + refresh |"):
         assert row in table
 
 
@@ -90,17 +90,18 @@ def test_eval_draws_questions_with_its_seed_and_writes_json_with_the_commit_refr
     monkeypatch.setattr(evaluate, "evaluate", record)
     written = tmp_path / "eval.json"
     code = main(["eval", "--model", str(model_dir), "--per-task", "2", "--tasks", "copy",
-                 "--modes", "focus", "--seed", "7", "--commit-refresh", "--json", str(written)])
+                 "--modes", "focus", "--seed", "7", "--no-commit-refresh", "--json",
+                 str(written)])
     out, _ = capsys.readouterr()
     questions = [e.question for e in seen["examples"]]
-    assert code == 0 and seen["commit_refresh"] is True and seen["modes"] == ["focus"]
+    assert code == 0 and seen["commit_refresh"] is False and seen["modes"] == ["focus"]
     assert questions == [e.question for e in tasks.held_out(2, 7, tasks=("copy",))]
     assert questions != [e.question for e in tasks.held_out(2, tasks=("copy",))]
-    assert "| focus + refresh (0.8) |" in out
+    assert "| focus (0.8) |" in out and "refresh" not in out
     report = json.loads(written.read_text())
     assert report["seed"] == 7 and report["per_task"] == 2
     (mode,) = report["modes"]
-    assert mode["mode"] == "focus" and mode["commit_refresh"] is True
+    assert mode["mode"] == "focus" and mode["commit_refresh"] is False
     # 6 token-steps through layers 0-1 and 2 through the other 2 layers, per 4 tokens.
     assert mode["overall"]["token_layers_per_token"] == (2 * 6 + 2 * 2) / 4
 
