@@ -242,14 +242,17 @@ def test_settings_beyond_the_cap_release_their_compiled_programs(model, monkeypa
     assert len(compilation.PROGRAMS) == 2
 
 
-def test_the_bucket_ladder_does_not_change_the_bundled_models_tokens():
-    """Buckets pad the same rows to other sizes: on the CPU the bundled model's answers are the
-    same token for token with one bucket, the CPU ladder's four and eight (docs/startup.md)."""
+def test_the_bucket_ladder_does_not_change_the_bundled_models_tokens_in_float32():
+    """Buckets pad the same rows to other sizes: on the CPU the bundled model's answers, in
+    float32, are the same token for token with one bucket, the CPU ladder's four and eight.
+    (In bfloat16 another row count rounds differently and can flip a near tie: with the commit
+    refresh one of these eight answers does; docs/startup.md, "One decode program per
+    engine".)"""
     import focus_jax
     from focus_jax import tasks
     from focus_jax.cli import BUNDLED_MODEL
 
-    model = focus_jax.load(BUNDLED_MODEL)
+    model = focus_jax.load(BUNDLED_MODEL, dtype="float32")
     questions = [e.question for e in tasks.held_out(2, tasks=tasks.WORKED)[:8]]
     answers = {}
     for ladder in [(1.0,), (0.25, 0.5, 0.75, 1.0), tuple(k / 8 for k in range(1, 9))]:

@@ -32,4 +32,4 @@ def test_scores_per_task_and_counts_match_an_independent_run():
     assert early == 2 * stats.processed_tokens / stats.generated_tokens
     assert late == (model.config.num_layers - 2) * stats.retained_tokens / stats.generated_tokens
     table = evaluate.markdown([report])
-    assert "| copy, focus |" in table and "| add, focus |" in table
+    assert "| copy, focus + refresh |" in table and "| add, focus + refresh |" in table
