@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from focus_jax import decoding, sharding
 from focus_jax.cache.pages import PagePool
 from focus_jax.compaction import bucket_ladder
-from focus_jax.config import ConfigError, GenerationConfig
+from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunStats
 from focus_jax.engine.params import RequestError, SamplingParams
 from focus_jax.engine.runner import Runner, default_prefill_batch, pool_pages, slot_positions
@@ -59,13 +59,7 @@ class Engine:
                                                    cfg.max_position_embeddings)
         slots = slots if slots is not None else config.max_batch or default_slots
         cache_len = cache_len if cache_len is not None else config.max_cache_len or default_len
-        block = config.block_size or cfg.block_size
-        if block is None:
-            raise ConfigError("the model's config.json names no block_size: set "
-                              "GenerationConfig(block_size=...) (4, 8, 16, 32 or 64)")
-        if cfg.block_size is not None and block != cfg.block_size:
-            raise ConfigError(f"block_size {block} does not match the model, which was trained "
-                              f"with block size {cfg.block_size}")
+        block = _block_size(cfg, config)
         if cfg.num_layers < 2:
             raise ConfigError("decoding needs a model with at least 2 layers")
         if slots < 1:
@@ -80,12 +74,8 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
                                         slots, devices[0].platform, mesh)
-        pages = None
-        if config.kv_cache == "paged":
-            if mesh is not None and mesh.shape["data"] > 1:
-                raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: "
-                                  "use a mesh without one (data=1) or kv_cache='contiguous'")
-            pages = pool_pages(model, config, block, slots, self.cache_len, devices, mesh)
+        pages = (_paged_pool(model, config, block, slots, self.cache_len, devices, mesh)
+                 if config.kv_cache == "paged" else None)
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or default_prefill_batch(slots),
                              steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
@@ -168,16 +158,37 @@ class Engine:
         round, and return the outputs of the blocks it committed and of the requests it ended."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
+        outputs += self._release_aborted()
+        outputs += self._admit()
+        if self.scheduler.running:
+            with self.stats.timed("decode_seconds"):
+                short = self._short_rounds()
+                results = self.runner.decode_round(
+                    stop_on_finish=bool(self.scheduler.waiting),
+                    steps=self.config.free_slot_round_steps if short else None,
+                    stop_on_first_output=short)
+            with self.stats.timed("host_seconds"):
+                outputs += self._after_round(results)
+        self.stats.wall_seconds += time.perf_counter() - start
+        return outputs
+
+    def _release_aborted(self) -> list[RequestOutput]:
+        """Free the slots of the requests aborted since the last round; their last outputs."""
         with self.stats.timed("host_seconds"):
             aborted = self.scheduler.take_aborted()
-            outputs += [self._final(r, "abort") for r in aborted]
+            outputs = [self._final(r, "abort") for r in aborted]
         if aborted:
             self.runner.release([r.slot for r in aborted])
             for request in aborted:
                 self.scheduler.finish(request)
+        return outputs
+
+    def _admit(self) -> list[RequestOutput]:
+        """Admit waiting requests into free slots (a paged cache: give the running ones the
+        pages the coming round can reach) and prefill them; the outputs of those refused."""
         with self.stats.timed("host_seconds"):
             admitted, refused = self.scheduler.admit()
-            outputs += [self._final(r, "error", str(err)) for r, err in refused]
+            outputs = [self._final(r, "error", str(err)) for r, err in refused]
         if self.scheduler.pool is not None:
             with self.stats.timed("host_seconds"):
                 grown = self.scheduler.extend_pages(self.config.steps_per_round)
@@ -196,16 +207,6 @@ class Engine:
                 request.stats.admitted_time = now
                 self.scheduler.register_prompt(request)
                 self.output.record_prefill(request, self.block_size)
-        if self.scheduler.running:
-            with self.stats.timed("decode_seconds"):
-                short = self._short_rounds()
-                results = self.runner.decode_round(
-                    stop_on_finish=bool(self.scheduler.waiting),
-                    steps=self.config.free_slot_round_steps if short else None,
-                    stop_on_first_output=short)
-            with self.stats.timed("host_seconds"):
-                outputs += self._after_round(results)
-        self.stats.wall_seconds += time.perf_counter() - start
         return outputs
 
     def _short_rounds(self) -> bool:
@@ -289,6 +290,29 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
                                    policies=policies, processed_ladder=ladder,
                                    retained_ladder=ladder, kernels=config.kernels, mesh=mesh,
                                    interruptible=config.interruptible_rounds)
+
+
+def _block_size(cfg: ModelConfig, config: GenerationConfig) -> int:
+    """The block size an engine decodes with: ``config``'s, else the model's; never one the
+    model was not trained with."""
+    block = config.block_size or cfg.block_size
+    if block is None:
+        raise ConfigError("the model's config.json names no block_size: set "
+                          "GenerationConfig(block_size=...) (4, 8, 16, 32 or 64)")
+    if cfg.block_size is not None and block != cfg.block_size:
+        raise ConfigError(f"block_size {block} does not match the model, which was trained "
+                          f"with block size {cfg.block_size}")
+    return block
+
+
+def _paged_pool(model: Model, config: GenerationConfig, block: int, slots: int, cache_len: int,
+                devices: list, mesh: Mesh | None) -> int:
+    """Pages of a paged cache's pool (:func:`pool_pages`), on a mesh that does not split slots
+    over ``data``."""
+    if mesh is not None and mesh.shape["data"] > 1:
+        raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: "
+                          "use a mesh without one (data=1) or kv_cache='contiguous'")
+    return pool_pages(model, config, block, slots, cache_len, devices, mesh)
 
 
 def _token_ids(prompt: Sequence[int], vocab: int) -> list[int]:
