@@ -74,7 +74,8 @@ class Target:
     @property
     def pages(self) -> int | None:
         """A paged KV cache's pages (``kv_pages``, else as many as ``kv_cache_memory`` bytes
-        per chip hold, else as many as the contiguous cache's positions); None: contiguous."""
+        per chip hold on each data shard, else as many as the contiguous cache's positions);
+        None: contiguous."""
         generation, cfg = self.generation, self.cfg
         if generation.kv_cache != "paged":
             return None
@@ -82,7 +83,7 @@ class Target:
             return generation.kv_pages
         if generation.kv_cache_memory is not None:
             page_bytes = PagedCache.page_bytes(cfg, self.block_size, self.model)
-            return max(1, generation.kv_cache_memory // page_bytes)
+            return max(1, generation.kv_cache_memory // page_bytes) * self.data
         return self.slots * self.positions // self.block_size
 
 
@@ -125,9 +126,10 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
         raise ConfigError(f"--prefill-batch must be >= 1, got {prefill_batch}")
     if hbm_gib is not None and hbm_gib <= 0:
         raise ConfigError(f"--hbm-gib must be positive, got {hbm_gib}")
-    if generation.kv_cache == "paged" and sizes["data"] > 1:
-        raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: use a "
-                          "mesh with data=1")
+    if (generation.kv_cache == "paged" and generation.kv_pages is not None
+            and generation.kv_pages % sizes["data"]):
+        raise ConfigError(f"kv_pages={generation.kv_pages} does not split evenly over the mesh's "
+                          f"{sizes['data']} data shards: give a multiple of {sizes['data']}")
     if generation.kernels not in (None, "xla", TPU_KERNELS):
         raise ConfigError(f"kernels {generation.kernels!r} do not run on a TPU: use xla or "
                           f"{TPU_KERNELS}")

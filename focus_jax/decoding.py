@@ -267,7 +267,9 @@ def step(model: Decoder, state: DecodeState,
     log_spec = StepLog(data, data, data, data, data, PartitionSpec(), PartitionSpec())
 
     def shard_step(params, state: DecodeState) -> tuple[DecodeState, StepLog]:
+        state = dataclasses.replace(state, cache=state.cache.to_shard("data"))
         state, log = _step(nnx.merge(graphdef, params), state, settings)
+        state = dataclasses.replace(state, cache=state.cache.to_shard("data", sign=-1))
         # The slowest shard sets the pace: report the largest bucket of any shard.
         return state, dataclasses.replace(
             log, processed_bucket=jax.lax.pmax(log.processed_bucket, "data"),

@@ -82,6 +82,12 @@ def test_a_paged_round_compiles_for_a_v5e_chip_and_holds_only_its_pool():
     table = 16 * 8 * 4  # 8 int32 entries per slot
     assert contiguous.resident_bytes - paged.resident_bytes == (128 - 40) * page - table
     assert paged.result.memory.arguments < contiguous.result.memory.arguments
+    # On a data=2, model=4 mesh of a v5e 2x4 slice each chip holds its data shard's half of the
+    # pages, a quarter of their KV heads: 40 more pages are 40 / 8 pages' bytes more per chip.
+    small, large = (decode_round("focus", "v5e:2x4", "data=2,model=4", "pallas_tpu",
+                                 kv_cache="paged", kv_pages=pages) for pages in (40, 80))
+    assert small.result.compiled and large.result.compiled, small.result.error
+    assert large.resident_bytes - small.resident_bytes == 40 * page // 8
 
 
 @needs_libtpu

@@ -174,20 +174,22 @@ def test_unheld_cached_pages_are_reclaimed_least_recently_released_first_and_hel
     pool.check()
 
 
-def test_random_add_abort_finish_keeps_the_page_pool_consistent():
+@pytest.mark.parametrize("shards", [1, 2])
+def test_random_add_abort_finish_keeps_the_page_pool_consistent(shards):
     """Requests from a few shared system prompts are added, admitted, take pages as their
     blocks come, are aborted (waiting or running) and finish in random order: a request's pages
     and reservation make its worst case, a page is held twice only as a registered prompt block
     at the same position of prompts with the same blocks up to it, and every page is available
-    again at the end."""
+    again at the end. Over two data shards every page a slot holds is one of its shard's."""
     import random
 
-    from focus_jax.cache.pages import PagePool
+    from focus_jax.cache.pages import PagePool, ShardedPool
     from focus_jax.engine.params import SamplingParams as Params
     from focus_jax.engine.scheduler import Request, Scheduler
 
     block, rng = 4, random.Random(0)
-    pool = PagePool(40)
+    pool = PagePool(40) if shards == 1 else ShardedPool(40, shards)
+    each = 40 // shards
     scheduler = Scheduler(slots=4, cache_len=64, block_size=block, pool=pool, prefix_caching=True)
     systems = [[rng.randrange(10, 128) for _ in range(rng.randrange(0, 13))] for _ in range(3)]
     rid, shared = 0, 0
@@ -216,6 +218,8 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent():
         assert pool.reserved == sum(r.reserved for r in scheduler.running.values())
         for request in scheduler.running.values():
             assert len(set(request.pages)) == len(request.pages)
+            shard = scheduler.shard(request.slot)
+            assert all(shard * each <= page < (shard + 1) * each for page in request.pages)
             assert len(request.pages) + request.reserved == scheduler.positions_needed(
                 len(request.prompt), request.max_new_tokens) // block
             for index, page in enumerate(request.pages):
@@ -232,6 +236,34 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent():
     pool.check()
     assert pool.held == 0 and pool.reserved == 0 and pool.available == pool.total
     assert rid > 100 and shared > 50
+
+
+def test_a_request_goes_to_the_data_shard_that_holds_its_prefix():
+    """Two data shards of 8 pages, two slots each: a request sharing a cached system prompt
+    goes to the shard that caches it, though the other has more pages available; one sharing
+    nothing goes to the shard with the most pages available; a request no shard can hold is
+    refused with the per-shard size."""
+    from focus_jax.cache.pages import ShardedPool
+    from focus_jax.engine.params import SamplingParams as Params
+    from focus_jax.engine.scheduler import Request, Scheduler
+
+    block = 4
+    pool = ShardedPool(16, shards=2)
+    scheduler = Scheduler(slots=4, cache_len=64, block_size=block, pool=pool, prefix_caching=True)
+    system = list(range(10, 18))  # two blocks
+    scheduler.add(Request(0, [*system, 40, 41], Params(max_new_tokens=4)))
+    [first] = scheduler.admit()[0]
+    scheduler.register_prompt(first)
+    assert first.slot == 0 and first.pages == [0, 1, 2]  # shard 0 had as many pages as 1
+    scheduler.add(Request(1, [*system, 50], Params(max_new_tokens=4)))
+    scheduler.add(Request(2, [60, 61, 62], Params(max_new_tokens=4)))
+    admitted = {r.rid: r for r in scheduler.admit()[0]}
+    assert admitted[1].slot == 1 and admitted[1].pages[:2] == [0, 1]  # the cached blocks
+    assert admitted[1].cached_blocks == 2
+    assert scheduler.shard(admitted[2].slot) == 1 and set(admitted[2].pages) <= set(range(8, 16))
+    with pytest.raises(RequestError, match="needs 9 pages of 4 positions, but the KV cache's "
+                                           "pool has 8 per data shard"):
+        scheduler.add(Request(3, list(range(10, 40)), Params(max_new_tokens=6)))
 
 
 def test_pages_and_prefix_hits_reach_the_stats_line_and_the_servers_metrics():

@@ -39,9 +39,12 @@ def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
         data, expert, model = row["mesh"]
         assert row["equal"], row
         assert row["gate_up_shard_shape"] == [3, 16 // expert, 64, 2, 32 // model], row
-    # A paged KV cache on a model=4 mesh: the pool's KV heads split four ways.
-    assert [r.pop("paged") for r in rows if "paged" in r] == [
-        {"equal": True, "pool_shard_shape": [4, 20, 4, 2, 8]}]
+    # A paged KV cache on a model=4 mesh: the pool's KV heads split four ways; with data=2 too,
+    # each data shard holds half the pages (those of its own slots).
+    [paged] = [r.pop("paged") for r in rows if "paged" in r]
+    assert [(r["data"], r["equal"], r["pool_shard_shape"]) for r in paged] == [
+        (1, True, [4, 20, 4, 2, 8]), (2, True, [4, 10, 4, 2, 8])]
+    assert all(r["prefix_hit_tokens"] > 0 for r in paged), paged  # cached prefixes were read
     rows = [r for r in rows if r]
     # Data parallel: no activations cross devices inside the step (before each shard stepped
     # its own slots, a data=2 round of the tiny model held 75 all-reduces and 22 all-gathers);

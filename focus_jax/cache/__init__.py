@@ -67,3 +67,8 @@ class KVCache(Protocol):
         """The cache's ``PartitionSpec`` per field: slots over ``data``, KV heads over
         ``kv_heads``."""
         ...
+
+    def to_shard(self, axis: str, sign: int = 1) -> Self:
+        """Inside ``shard_map`` over ``axis`` (``data``): this shard's part of the cache as the
+        shard addresses it (``sign=1``), or back as the whole cache addresses it (``sign=-1``)."""
+        ...

@@ -72,3 +72,7 @@ class ContiguousCache:
         """Slots over ``data``, KV heads over ``kv_heads``."""
         spec = PartitionSpec(None, "data", None, kv_heads, None)
         return ContiguousCache(spec, spec)
+
+    def to_shard(self, axis: str, sign: int = 1) -> ContiguousCache:
+        """A shard's slots are addressed locally by the step already: nothing to change."""
+        return self

@@ -110,10 +110,18 @@ class PagedCache:
                          block_size=block_size, layout=layout)
 
     def specs(self, kv_heads: str | None) -> PagedCache:
-        """KV heads over ``kv_heads``; the pool and the page table are not split over ``data``
-        (the engine refuses a paged cache on a mesh whose data axis splits)."""
-        pages = PartitionSpec(None, None, None, kv_heads, None)
-        return PagedCache(pages, pages, PartitionSpec())
+        """Pages over ``data`` (each data shard holds the pages of its own slots: the host gives
+        a slot only pages of its shard, :class:`~focus_jax.cache.pages.ShardedPool`), KV heads
+        over ``kv_heads``; the page table's slots over ``data``."""
+        pages = PartitionSpec(None, "data", None, kv_heads, None)
+        return PagedCache(pages, pages, PartitionSpec("data", None))
+
+    def to_shard(self, axis: str, sign: int = 1) -> PagedCache:
+        """Inside ``shard_map`` over ``axis`` the pool holds only this shard's pages: its table
+        entries (whole-pool page ids) minus the shard's first page (``sign=-1``: plus, back).
+        An entry naming no page (``>=`` the whole pool) still names none."""
+        first = jax.lax.axis_index(axis) * self.pages
+        return dataclasses.replace(self, page_table=self.page_table - sign * first)
 
 
 def assign_pages(cache: PagedCache, slot: Int[Array, "n"], table: Int[Array, "n w"]) -> PagedCache:

@@ -42,11 +42,12 @@ class PagePool:
     reserved than are free or cached.
     """
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, first: int = 0):
         if total < 1:
             raise ValueError(f"a page pool needs at least one page, got {total}")
-        self.total = total
-        self._free: collections.deque[int] = collections.deque(range(total))
+        self.total, self.first = total, first
+        """Its pages are ``first .. first + total - 1`` (a data shard's part of a pool)."""
+        self._free: collections.deque[int] = collections.deque(range(first, first + total))
         self._holders: dict[int, int] = {}
         """page -> requests holding it (only pages held by at least one)."""
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -164,8 +165,60 @@ class PagePool:
         free, held, cached = set(self._free), set(self._holders), set(self._cached)
         assert len(free) == len(self._free), "a page is free twice"
         assert not (free & held or free & cached or held & cached), "a page in two states"
-        assert free | held | cached == set(range(self.total)), "a page lost"
+        assert free | held | cached == set(range(self.first, self.first + self.total)), "a page lost"
         assert all(count >= 1 for count in self._holders.values())
         assert set(self._hash_of) == set(self._page_of.values()) and cached <= set(self._hash_of)
         assert all(self._page_of[h] == p for p, h in self._hash_of.items())
         assert 0 <= self.reserved <= len(free) + len(cached), "more reserved than there are"
+
+
+class ShardedPool:
+    """A pool of ``total`` pages split evenly over ``shards`` data shards: shard ``d`` owns pages
+    ``d * total / shards`` onwards (:meth:`shard`), and a slot of shard ``d`` only ever holds
+    those, so each shard's pages live on its own devices (a shard's prefix table is its own).
+    The counts are the shards' sums."""
+
+    def __init__(self, total: int, shards: int = 1):
+        if shards < 1 or total % shards:
+            raise ValueError(f"{total} pages do not split evenly over {shards} data shards")
+        each = total // shards
+        self.shards = [PagePool(each, first=d * each) for d in range(shards)]
+
+    @classmethod
+    def of(cls, pool: PagePool) -> ShardedPool:
+        """One pool as a pool of one shard."""
+        sharded = cls.__new__(cls)
+        sharded.shards = [pool]
+        return sharded
+
+    def shard(self, index: int) -> PagePool:
+        return self.shards[index]
+
+    @property
+    def shard_total(self) -> int:
+        """Pages of one shard: the most one request can ever hold."""
+        return self.shards[0].total
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.shards)
+
+    @property
+    def held(self) -> int:
+        return sum(p.held for p in self.shards)
+
+    @property
+    def available(self) -> int:
+        return sum(p.available for p in self.shards)
+
+    @property
+    def reserved(self) -> int:
+        return sum(p.reserved for p in self.shards)
+
+    @property
+    def cached(self) -> int:
+        return sum(p.cached for p in self.shards)
+
+    def check(self) -> None:
+        for pool in self.shards:
+            pool.check()

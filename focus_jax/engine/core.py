@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from focus_jax import decoding, sharding
-from focus_jax.cache.pages import PagePool
+from focus_jax.cache.pages import ShardedPool
 from focus_jax.compaction import bucket_ladder
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig
 from focus_jax.engine.output import OutputProcessor, RequestOutput, Result, RunStats
@@ -74,14 +74,15 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
                                         slots, devices[0].platform, mesh)
-        pages = (_paged_pool(model, config, block, slots, self.cache_len, devices, mesh)
+        pages = (pool_pages(model, config, block, slots, self.cache_len, devices, mesh)
                  if config.kv_cache == "paged" else None)
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or default_prefill_batch(slots),
                              steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block,
-                                   pool=None if pages is None else PagePool(pages),
+                                   pool=None if pages is None else ShardedPool(
+                                       pages, mesh.shape["data"] if mesh is not None else 1),
                                    prefix_caching=config.prefix_caching)
         self.output = OutputProcessor(model.tokenizer if detokenize else None)
         self._ids = itertools.count()
@@ -303,16 +304,6 @@ def _block_size(cfg: ModelConfig, config: GenerationConfig) -> int:
         raise ConfigError(f"block_size {block} does not match the model, which was trained "
                           f"with block size {cfg.block_size}")
     return block
-
-
-def _paged_pool(model: Model, config: GenerationConfig, block: int, slots: int, cache_len: int,
-                devices: list, mesh: Mesh | None) -> int:
-    """Pages of a paged cache's pool (:func:`pool_pages`), on a mesh that does not split slots
-    over ``data``."""
-    if mesh is not None and mesh.shape["data"] > 1:
-        raise ConfigError("kv_cache='paged' does not split its pool over a data axis yet: "
-                          "use a mesh without one (data=1) or kv_cache='contiguous'")
-    return pool_pages(model, config, block, slots, cache_len, devices, mesh)
 
 
 def _token_ids(prompt: Sequence[int], vocab: int) -> list[int]:

@@ -237,8 +237,14 @@ def pool_pages(model: Model, config: GenerationConfig, block_size: int, slots: i
     """Pages in a paged cache's pool: ``config.kv_pages``; else as many as
     ``config.kv_cache_memory`` bytes per device hold; else ``KV_MEMORY_FRACTION`` of the memory
     left after the weights on the fullest device; on devices that do not report their memory
-    (CPUs), as many as a contiguous cache of ``slots`` x ``cache_len`` positions."""
+    (CPUs), as many as a contiguous cache of ``slots`` x ``cache_len`` positions. A mesh's
+    ``data`` shards each hold their own part of the pool: the count is a multiple of them."""
+    shards = mesh.shape["data"] if mesh is not None else 1
     if config.kv_pages is not None:
+        if config.kv_pages % shards:
+            raise ConfigError(f"kv_pages={config.kv_pages} does not split evenly over the mesh's "
+                              f"{shards} data shards (each holds its own pages): give a multiple "
+                              f"of {shards}")
         return config.kv_pages
     page_bytes = PagedCache.page_bytes(model.config, block_size,
                                        mesh.shape["model"] if mesh is not None else 1)
@@ -254,7 +260,7 @@ def pool_pages(model: Model, config: GenerationConfig, block_size: int, slots: i
     if pages < 1:
         raise ConfigError(f"the KV cache's memory ({_size(memory)} per device) holds no page of "
                           f"{_size(page_bytes)}: give it more (kv_cache_memory)")
-    return pages
+    return pages * shards
 
 
 def check_memory_fits(params: nnx.State, state: decoding.DecodeState,

@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from focus_jax.cache.pages import PagePool, block_hashes
+from focus_jax.cache.pages import PagePool, ShardedPool, block_hashes
 from focus_jax.engine.output import RequestStats
 from focus_jax.engine.params import RequestError, SamplingParams
 
@@ -59,10 +59,13 @@ class Scheduler:
     not taken afresh.
     """
 
-    def __init__(self, slots: int, cache_len: int, block_size: int, pool: PagePool | None = None,
-                 prefix_caching: bool = False):
+    def __init__(self, slots: int, cache_len: int, block_size: int,
+                 pool: PagePool | ShardedPool | None = None, prefix_caching: bool = False):
         self.slots, self.cache_len, self.block_size = slots, cache_len, block_size
-        self.pool, self.prefix_caching = pool, prefix_caching
+        self.pool = ShardedPool.of(pool) if isinstance(pool, PagePool) else pool
+        """A paged cache's pages; over several data shards, shard ``d`` serves the slots
+        ``d * slots / shards`` onwards (the slots a data shard steps)."""
+        self.prefix_caching = prefix_caching
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}
         """slot -> request."""
@@ -80,12 +83,13 @@ class Scheduler:
                 f"prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} needs {need} "
                 f"cache positions, but the cache holds {self.cache_len}: shorten the prompt, lower "
                 f"max_new_tokens or raise the cache length")
-        if self.pool is not None and need // self.block_size > self.pool.total:
+        if self.pool is not None and need // self.block_size > self.pool.shard_total:
+            shards = "" if len(self.pool.shards) == 1 else " per data shard (a slot's pages are its shard's)"
             raise RequestError(
                 f"prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} needs "
                 f"{need // self.block_size} pages of {self.block_size} positions, but the KV "
-                f"cache's pool has {self.pool.total}: shorten the prompt, lower max_new_tokens "
-                f"or give the cache more memory")
+                f"cache's pool has {self.pool.shard_total}{shards}: shorten the prompt, lower "
+                f"max_new_tokens or give the cache more memory")
 
     def add(self, request: Request, arrival_time: float | None = None) -> None:
         self.check_fits(len(request.prompt), request.max_new_tokens)
@@ -113,9 +117,12 @@ class Scheduler:
     def admit(self) -> tuple[list[Request], list[tuple[Request, RequestError]]]:
         """Move waiting requests into free slots, in queue order. Returns the admitted ones
         (shortest prompt first, so that prefill batches pad to lengths close to their members')
-        and the ones that cannot run, with the reason."""
+        and the ones that cannot run, with the reason. With a paged cache a request goes to the
+        data shard holding the longest run of its prompt blocks, else the one with the most
+        pages available, among those with a free slot."""
         free = [slot for slot in range(self.slots) if slot not in self.running]
-        admitted, refused = [], []
+        open_slots = collections.Counter(self.shard(slot) for slot in free)
+        admitted, refused, shard_of = [], [], {}
         while len(admitted) < len(free) and self.waiting:
             request = self.waiting[0]
             try:
@@ -123,32 +130,50 @@ class Scheduler:
             except RequestError as err:
                 refused.append((self.waiting.popleft(), err))
                 continue
-            if self.pool is not None and not self._take_pages(request):
-                break  # it waits for pages, and so does everything behind it
+            if self.pool is not None:
+                shard = self._take_pages(request, [d for d, n in open_slots.items() if n])
+                if shard is None:
+                    break  # it waits for pages, and so does everything behind it
+                open_slots[shard] -= 1
+                shard_of[request.rid] = shard
             admitted.append(self.waiting.popleft())
         admitted.sort(key=lambda r: len(r.prompt))
-        for request, slot in zip(admitted, free, strict=False):
-            request.slot = slot
-            self.running[slot] = request
+        for request in admitted:
+            shard = shard_of.get(request.rid)
+            request.slot = next(s for s in free if shard is None or self.shard(s) == shard)
+            free.remove(request.slot)
+            self.running[request.slot] = request
         return admitted, refused
 
-    def _take_pages(self, request: Request) -> bool:
-        """Reserve the pages of the request's worst case, sharing its cached prompt blocks and
-        taking the pages of its prompt's blocks and its active block; False (nothing taken) if
-        the pool cannot give them now."""
+    def shard(self, slot: int) -> int:
+        """The data shard whose pages serve ``slot`` (0 without a paged cache)."""
+        return 0 if self.pool is None else slot // (self.slots // len(self.pool.shards))
+
+    def _take_pages(self, request: Request, shards: Sequence[int]) -> int | None:
+        """Reserve the pages of the request's worst case in one of ``shards`` (data shards with a
+        free slot), sharing its cached prompt blocks and taking the pages of its prompt's
+        blocks and its active block; the shard, or None (nothing taken) if none can give them
+        now."""
         worst = self._worst_case(request)
         if self.prefix_caching and not request.block_hashes:
             request.block_hashes = block_hashes(request.prompt, self.block_size)
-        shared = self.pool.match(request.block_hashes) if self.prefix_caching else []
+
+        def shared(d: int) -> list[int]:
+            return self.pool.shard(d).match(request.block_hashes) if self.prefix_caching else []
+
         history = len(request.prompt) // self.block_size
-        now = min(worst, history + 1) - len(shared)
-        if not self.pool.can_take(worst - len(shared), shared):
-            return False
-        request.pages = self.pool.take(now, shared, reserve=worst - len(shared) - now)
-        request.reserved = worst - len(request.pages)
-        request.cached_blocks = len(shared)
-        request.history = history * self.block_size
-        return True
+        for d in sorted(shards, key=lambda d: (len(shared(d)), self.pool.shard(d).available),
+                        reverse=True):
+            pool, cached = self.pool.shard(d), shared(d)
+            if not pool.can_take(worst - len(cached), cached):
+                continue
+            now = min(worst, history + 1) - len(cached)
+            request.pages = pool.take(now, cached, reserve=worst - len(cached) - now)
+            request.reserved = worst - len(request.pages)
+            request.cached_blocks = len(cached)
+            request.history = history * self.block_size
+            return d
+        return None
 
     def _worst_case(self, request: Request) -> int:
         """Pages of a request's prompt and ``max_new_tokens``."""
@@ -164,7 +189,7 @@ class Scheduler:
             want = min(self._worst_case(request), request.history // self.block_size + steps + 1)
             more = want - len(request.pages)
             if more > 0:
-                request.pages += self.pool.take_reserved(more)
+                request.pages += self.pool.shard(self.shard(request.slot)).take_reserved(more)
                 request.reserved -= more
                 grown.append(request)
         return grown
@@ -174,17 +199,18 @@ class Scheduler:
         that write them are queued before any that could read them), so later requests may
         share their pages."""
         if self.prefix_caching:
-            self.pool.register(request.pages, request.block_hashes)
+            self.pool.shard(self.shard(request.slot)).register(request.pages, request.block_hashes)
 
     def finish(self, request: Request) -> None:
         """Free the request's slot and its pages."""
         if request.slot is not None and self.running.get(request.slot) is request:
             del self.running[request.slot]
-        request.slot = None
-        if self.pool is not None:
-            self.pool.release(request.pages)
-            self.pool.unreserve(request.reserved)
+        if self.pool is not None and request.slot is not None:
+            pool = self.pool.shard(self.shard(request.slot))
+            pool.release(request.pages)
+            pool.unreserve(request.reserved)
             request.pages, request.reserved = [], 0
+        request.slot = None
 
     def batches(self, admitted: Sequence[Request], size: int) -> list[list[Request]]:
         """Prefill batches of at most ``size`` admitted requests."""

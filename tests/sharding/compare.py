@@ -98,22 +98,28 @@ def compare_experts() -> list[dict[str, object]]:
     return rows
 
 
-def compare_paged() -> dict[str, object]:
-    """A paged KV cache on a model=4 mesh (the pool's KV heads split, the paged attention
-    through its sharded entry point): the tokens of one device, and each device holding
-    ``[layers, pages, B, KVH / 4, D]`` of the pool."""
+def compare_paged() -> list[dict[str, object]]:
+    """A paged KV cache with prefix caching on a model=4 mesh (the pool's KV heads split, the
+    paged attention through its sharded entry point) and on a data=2, model=4 mesh (each data
+    shard holding the pages of its own slots, half the pool): the tokens of one device, and
+    each device's part of the pool ``[layers, pages / data, B, KVH / 4, D]``."""
     model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
-    prompts = random_prompts(8, 128, 2, 14, seed=33)
+    system = list(range(20, 28))  # two blocks every prompt begins with: cached after the first
+    prompts = [[*system, *p] for p in random_prompts(8, 128, 2, 10, seed=33)]
     config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
                               max_new_tokens=8, stop_token_ids=(), max_batch=4,
                               bucket_ladder=(0.25, 0.5, 1.0), kv_cache="paged", kv_pages=20,
                               prefix_caching=True)
     single = [r.token_ids for r in generate(model, prompts, config)]
-    engine = Engine(model, config, slots=4, cache_len=32, mesh=make_mesh(1, 4))
-    ids = [engine.add_request(p) for p in prompts]
-    results = run_to_completion(engine)
-    return {"equal": [results[i].token_ids for i in ids] == single,
-            "pool_shard_shape": list(engine.state.cache.k.addressable_shards[0].data.shape)}
+    rows = []
+    for data in (1, 2):
+        engine = Engine(model, config, slots=4, cache_len=32, mesh=make_mesh(data, 4))
+        ids = [engine.add_request(p) for p in prompts]
+        results = run_to_completion(engine)
+        rows.append({"data": data, "equal": [results[i].token_ids for i in ids] == single,
+                     "pool_shard_shape": list(engine.state.cache.k.addressable_shards[0].data.shape),
+                     "prefix_hit_tokens": engine.stats.cached_prompt_tokens})
+    return rows
 
 
 def data_parallel_collectives() -> dict[str, int]:
