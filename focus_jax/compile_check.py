@@ -135,7 +135,7 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                           f"{TPU_KERNELS}")
     return Target(cfg, slice_, sizes["data"], sizes["model"], slots, positions,
                   generation.replace(block_size=block), buckets,
-                  prefill_batch or default_prefill_batch(slots),
+                  prefill_batch or default_prefill_batch(slots, "tpu"),
                   round(hbm_gib * tpu.GIB) if hbm_gib else slice_.chip.hbm_bytes,
                   expert=sizes["expert"])
 

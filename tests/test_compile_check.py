@@ -229,6 +229,7 @@ def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, posit
                                                                     prefill_batch):
     from focus_jax import Engine
     from focus_jax.engine import prompt_buckets
+    from focus_jax.engine.runner import default_prefill_batch
     from focus_jax.testing import tiny_model
 
     model = tiny_model(block_size=8)
@@ -239,7 +240,10 @@ def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, posit
                                        positions=positions, generation=config,
                                        prefill_batch=prefill_batch)
     assert target.positions == engine.cache_len
-    assert target.prefill_batch == engine.runner.prefill_batch
+    # The engine here runs on a CPU, whose default prefill batch is 1; on a TPU it takes the
+    # accelerators' default, the target's.
+    assert target.prefill_batch == (prefill_batch or default_prefill_batch(slots, "tpu"))
+    assert engine.runner.prefill_batch == (prefill_batch or default_prefill_batch(slots, "cpu"))
     assert target.prompt_buckets == prompt_buckets(engine.block_size, engine.cache_len)
 
 

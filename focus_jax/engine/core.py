@@ -77,7 +77,8 @@ class Engine:
         pages = (pool_pages(model, config, block, slots, self.cache_len, devices, mesh)
                  if config.kv_cache == "paged" else None)
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
-                             prefill_batch=prefill_batch or default_prefill_batch(slots),
+                             prefill_batch=prefill_batch or default_prefill_batch(
+                                 slots, devices[0].platform),
                              steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block,

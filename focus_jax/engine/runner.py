@@ -29,9 +29,11 @@ def slot_positions(block_size: int, cache_len: int) -> int:
     return math.ceil(cache_len / block_size) * block_size
 
 
-def default_prefill_batch(slots: int) -> int:
-    """Prompts per prefill call when the engine is not given its own number: ``min(slots, 8)``."""
-    return min(slots, 8)
+def default_prefill_batch(slots: int, platform: str = "gpu") -> int:
+    """Prompts per prefill call when the engine is not given its own number: ``min(slots, 8)``
+    on accelerators, 1 on CPUs (where a batch of prompts costs what they cost one by one, and
+    half the prefill programs are then never compiled)."""
+    return 1 if platform == "cpu" else min(slots, 8)
 
 
 def cache_length(block_size: int, positions: int) -> int:
