@@ -188,7 +188,7 @@ def test_random_add_abort_finish_keeps_the_page_pool_consistent(shards):
     from focus_jax.engine.scheduler import Request, Scheduler
 
     block, rng = 4, random.Random(0)
-    pool = PagePool(40) if shards == 1 else ShardedPool(40, shards)
+    pool = PagePool(40) if shards == 1 else ShardedPool.split(40, shards)
     each = 40 // shards
     scheduler = Scheduler(slots=4, cache_len=64, block_size=block, pool=pool, prefix_caching=True)
     systems = [[rng.randrange(10, 128) for _ in range(rng.randrange(0, 13))] for _ in range(3)]
@@ -248,7 +248,7 @@ def test_a_request_goes_to_the_data_shard_that_holds_its_prefix():
     from focus_jax.engine.scheduler import Request, Scheduler
 
     block = 4
-    pool = ShardedPool(16, shards=2)
+    pool = ShardedPool.split(16, shards=2)
     scheduler = Scheduler(slots=4, cache_len=64, block_size=block, pool=pool, prefix_caching=True)
     system = list(range(10, 18))  # two blocks
     scheduler.add(Request(0, [*system, 40, 41], Params(max_new_tokens=4)))

@@ -173,23 +173,21 @@ class PagePool:
 
 
 class ShardedPool:
-    """A pool of ``total`` pages split evenly over ``shards`` data shards: shard ``d`` owns pages
-    ``d * total / shards`` onwards (:meth:`shard`), and a slot of shard ``d`` only ever holds
-    those, so each shard's pages live on its own devices (a shard's prefix table is its own).
-    The counts are the shards' sums."""
+    """The pages of a paged cache as ``pools``, one per data shard, over consecutive ranges of
+    page ids: a slot of shard ``d`` only ever holds pages of ``pools[d]`` (:meth:`shard`), so
+    each shard's pages live on its own devices (and a shard's prefix table is its own). The
+    counts are the shards' sums."""
 
-    def __init__(self, total: int, shards: int = 1):
+    def __init__(self, pools: Sequence[PagePool]):
+        self.shards = list(pools)
+
+    @classmethod
+    def split(cls, total: int, shards: int = 1) -> ShardedPool:
+        """``total`` pages split evenly over ``shards`` data shards."""
         if shards < 1 or total % shards:
             raise ValueError(f"{total} pages do not split evenly over {shards} data shards")
         each = total // shards
-        self.shards = [PagePool(each, first=d * each) for d in range(shards)]
-
-    @classmethod
-    def of(cls, pool: PagePool) -> ShardedPool:
-        """One pool as a pool of one shard."""
-        sharded = cls.__new__(cls)
-        sharded.shards = [pool]
-        return sharded
+        return cls([PagePool(each, first=d * each) for d in range(shards)])
 
     def shard(self, index: int) -> PagePool:
         return self.shards[index]

@@ -82,7 +82,7 @@ class Engine:
                              steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block,
-                                   pool=None if pages is None else ShardedPool(
+                                   pool=None if pages is None else ShardedPool.split(
                                        pages, mesh.shape["data"] if mesh is not None else 1),
                                    prefix_caching=config.prefix_caching)
         self.output = OutputProcessor(model.tokenizer if detokenize else None)

@@ -62,7 +62,7 @@ class Scheduler:
     def __init__(self, slots: int, cache_len: int, block_size: int,
                  pool: PagePool | ShardedPool | None = None, prefix_caching: bool = False):
         self.slots, self.cache_len, self.block_size = slots, cache_len, block_size
-        self.pool = ShardedPool.of(pool) if isinstance(pool, PagePool) else pool
+        self.pool = ShardedPool([pool]) if isinstance(pool, PagePool) else pool
         """A paged cache's pages; over several data shards, shard ``d`` serves the slots
         ``d * slots / shards`` onwards (the slots a data shard steps)."""
         self.prefix_caching = prefix_caching
