@@ -118,8 +118,8 @@ def prefix_prefill_program(platform: str, graphdef: nnx.GraphDef,
     """The jitted prefill of prompts that continue a cached prefix: ``(params, state, tokens [n,
     p + c], length [n], start [n], slot [n], slot_params, *, computed=c) -> state``; each row's
     positions ``[start, start + c)`` are run, attending to its cached positions before
-    ``start`` (``start <= p``). Compiles once per ``(n, p, c)``; kept like
-    :func:`prefill_program`."""
+    ``start`` (``start <= p``; the runner reads the whole cache, ``p = cache_len``). Compiles
+    once per ``(n, p, c)``; kept like :func:`prefill_program`."""
     block, mask = settings.block_size, settings.mask_token_id
 
     def make() -> Callable:
@@ -171,10 +171,11 @@ def _shape(leaf: object) -> object:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") else leaf
 
 
-def _compile(program: Callable, shapes: tuple) -> None:
-    """Compile the jitted ``program`` for the argument stand-ins ``shapes``: calling it with
-    arguments of those shapes then compiles nothing (``jax.jit`` keeps the executable)."""
-    program.lower(*shapes).compile()
+def _compile(program: Callable, shapes: tuple, static: dict) -> None:
+    """Compile the jitted ``program`` for the argument stand-ins ``shapes`` and its static
+    keyword arguments ``static``: calling it with arguments of those shapes then compiles
+    nothing (``jax.jit`` keeps the executable)."""
+    program.lower(*shapes, **static).compile()
 
 
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -184,14 +185,15 @@ machine, four on a 16-core GPU host). XLA's passes over one program run on one t
 code generation already spreads over the cores."""
 
 
-def compile_together(programs: list[tuple[Callable, tuple]]) -> None:
-    """Compile each jitted ``(program, args)`` for arguments shaped like ``args``,
-    :data:`WARMUP_WORKERS` at a time, longest first as listed. The first compile error is
-    raised."""
-    shaped = [(program, jax.tree.map(_shape, args)) for program, args in programs]  # before donation
+def compile_together(programs: list[tuple[Callable, tuple, dict]]) -> None:
+    """Compile each jitted ``(program, args, static)`` for arguments shaped like ``args`` (and
+    the static keyword arguments ``static``), :data:`WARMUP_WORKERS` at a time, longest first
+    as listed. The first compile error is raised."""
+    shaped = [(program, jax.tree.map(_shape, args), static)  # before donation
+              for program, args, static in programs]
     with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_WORKERS,
                                                thread_name_prefix="focus_jax_warmup") as pool:
-        for future in [pool.submit(_compile, program, shapes) for program, shapes in shaped]:
+        for future in [pool.submit(_compile, *entry) for entry in shaped]:
             future.result()
 
 

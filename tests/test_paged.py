@@ -7,6 +7,7 @@ import pytest
 
 from focus_jax import GenerationConfig, generate
 from focus_jax.cache import ContiguousCache, PagedCache, assign_pages
+from focus_jax.compilation import count_compilations
 from focus_jax.engine import Engine, RequestError, SamplingParams, run_to_completion
 from focus_jax.testing import random_prompts, tiny_config, tiny_model
 from tests.test_kernels import GPU_MARKS
@@ -128,7 +129,8 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_one_that_fits_waits(mo
 def test_a_cached_prefix_gives_the_same_tokens_and_only_the_uncached_blocks_are_prefilled(model):
     """Requests that begin with the same three-block system prompt share its pages: each later
     one prefills only its own blocks (none at all for the system prompt alone), and every
-    request's greedy tokens are those it gets without the cache."""
+    request's greedy tokens are those it gets without the cache. The warm-up compiled the
+    prefills after a cached prefix too: serving compiles nothing."""
     block = 4
     system = random_prompts(1, 128, 3 * block, 3 * block, seed=50)[0]
     questions = random_prompts(4, 128, 1, 2 * block + 3, seed=51)
@@ -138,11 +140,14 @@ def test_a_cached_prefix_gives_the_same_tokens_and_only_the_uncached_blocks_are_
                               max_batch=2, max_cache_len=16 * block)
     want = [r.token_ids for r in generate(model, prompts, config)]
     engine = Engine(model, config.replace(kv_cache="paged", prefix_caching=True))
-    first = engine.add_request(prompts[0])
-    engine.step()  # prefilled: its prompt blocks are in the prefix table from now on
-    rest = [engine.add_request(p) for p in prompts[1:]]
-    results = run_to_completion(engine)
+    engine.warmup(prompt_lengths=[len(p) for p in prompts])
+    with count_compilations() as compiled:
+        first = engine.add_request(prompts[0])
+        engine.step()  # prefilled: its prompt blocks are in the prefix table from now on
+        rest = [engine.add_request(p) for p in prompts[1:]]
+        results = run_to_completion(engine)
     assert [results[i].token_ids for i in [first, *rest]] == want
+    assert compiled.programs == 0
     stats = engine.stats
     assert [results[i].stats.cached_prompt_tokens for i in rest] == [3 * block] * len(rest)
     assert stats.prompt_tokens == sum(map(len, prompts))

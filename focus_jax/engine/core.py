@@ -153,7 +153,7 @@ class Engine:
         compile), so that serving never compiles mid-way. Must run before requests are started."""
         if self.scheduler.running:
             raise RuntimeError("warmup() must run before requests are started")
-        self.runner.warmup(prompt_lengths, run)
+        self.runner.warmup(prompt_lengths, run, prefix=self.config.prefix_caching)
 
     def step(self) -> list[RequestOutput]:
         """One round: release aborted slots, admit and prefill waiting requests, run the decode

@@ -129,13 +129,14 @@ class Runner:
     def _prefill_rows(self, batch: Sequence[Request], n: int) -> None:
         """Prefill ``batch`` as ``n`` rows. Where a request shares cached prompt blocks
         (``Request.cached_blocks``) only the positions after them are run: each row from its
-        own start, over the bucket of the longest such rest, reading the cached positions up to
-        the bucket of the largest start."""
+        own start, over the bucket of the longest such rest, reading its slot's cached
+        positions (the whole cache width: one program per rows and rest bucket, compiled by the
+        warm-up)."""
         starts = [r.cached_blocks * self.settings.block_size for r in batch]
         if any(starts):
             computed = self.prompt_bucket(max(len(r.prompt) - s
                                               for r, s in zip(batch, starts, strict=True)))
-            width = self.prompt_bucket(max(starts)) + computed
+            width = self.cache_len + computed
         else:
             width = self.prompt_bucket(max(len(r.prompt) for r in batch))
         tokens = np.full((n, width), self.settings.mask_token_id, np.int32)
@@ -196,12 +197,15 @@ class Runner:
         compiled program: memory, HLO, cost)."""
         return self._round.lower(*self._round_args(False))
 
-    def warmup(self, prompt_lengths: Sequence[int] | None = None, run: bool = True) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, run: bool = True,
+               prefix: bool = False) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
         release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket (or
-        at the buckets of ``prompt_lengths`` when they are known). Runs them on padding only:
-        nothing changes. ``run=False``: compile the round and the prefills ahead of time and run
-        nothing (no temporaries allocated: filling a compilation cache).
+        at the buckets of ``prompt_lengths`` when they are known); with ``prefix`` (prefix
+        caching) also the prefill after a cached prefix, for each rows and every bucket up to
+        those. Runs them on padding only: nothing changes. ``run=False``: compile the round and
+        the prefills ahead of time and run nothing (no temporaries allocated: filling a
+        compilation cache).
 
         Every round runs this one decode round: a program with another bucket ladder (a faster
         compile, say) multiplies other row counts, which in bfloat16 can flip a near-tie token,
@@ -211,17 +215,28 @@ class Runner:
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
         # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
+        rows = prefill_rows(self.prefill_batch)
         padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                     np.full((n,), self.slots, np.int32), slot_params_rows([], n))
-                   for n, length in itertools.product(prefill_rows(self.prefill_batch), buckets)]
+                   for n, length in itertools.product(rows, buckets)]
+        after_prefix = [] if not prefix else [
+            ((np.zeros((n, self.cache_len + rest), np.int32), np.ones((n,), np.int32),
+              np.zeros((n,), np.int32), np.full((n,), self.slots, np.int32),
+              slot_params_rows([], n)), {"computed": rest})
+            for n, rest in itertools.product(rows, prompt_buckets(self.settings.block_size,
+                                                                  max(buckets)))]
         if compilation.WARMUP_WORKERS > 1 or not run:  # side by side first, the round the longest
             compilation.compile_together(
-                [(self._round, self._round_args(False))]
-                + [(self._prefill, (self.model.params, self.state, *rows)) for rows in padding])
+                [(self._round, self._round_args(False), {})]
+                + [(self._prefill, (self.model.params, self.state, *args), {}) for args in padding]
+                + [(self._prefix_prefill, (self.model.params, self.state, *args), static)
+                   for args, static in after_prefix])
         if not run:
             return
-        for rows in padding:
-            self._run_prefill(*rows)
+        for args in padding:
+            self._run_prefill(*args)
+        for args, static in after_prefix:
+            self.state = self._prefix_prefill(self.model.params, self.state, *args, **static)
         self.release([])
         if self.pages is not None:
             self.assign_pages([])
