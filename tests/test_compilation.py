@@ -283,7 +283,8 @@ def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkey
             threads.append(threading.current_thread().name)
 
     monkeypatch.setattr(compilation, "WARMUP_WORKERS", 3)
-    engine = Engine(model, config, slots=4, cache_len=64)
+    # An accelerator's prefill batch (a CPU's is 1): prefill programs of two row counts.
+    engine = Engine(model, config, slots=4, cache_len=64, prefill_batch=4)
     monitoring.register_event_duration_secs_listener(on_duration)
     try:
         with compilation.persistent_cache_off():
@@ -302,7 +303,7 @@ def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkey
 
     monkeypatch.setattr(compilation, "WARMUP_WORKERS", 1)
     compilation.PROGRAMS.clear()  # compiled afresh, one at a time
-    sequential = Engine(model, config, slots=4, cache_len=64)
+    sequential = Engine(model, config, slots=4, cache_len=64, prefill_batch=4)
     sequential.warmup()
     expected_ids = [sequential.add_request(p) for p in prompts]
     expected = run_to_completion(sequential)
