@@ -172,6 +172,12 @@ class PagePool:
         assert 0 <= self.reserved <= len(free) + len(cached), "more reserved than there are"
 
 
+def _summed(count: str) -> property:
+    """A :class:`ShardedPool` count: the sum of its shards' ``count``."""
+    return property(lambda self: sum(getattr(pool, count) for pool in self.shards),
+                    doc=f"The shards' {count} pages, summed.")
+
+
 class ShardedPool:
     """The pages of a paged cache as ``pools``, one per data shard, over consecutive ranges of
     page ids: a slot of shard ``d`` only ever holds pages of ``pools[d]`` (:meth:`shard`), so
@@ -197,25 +203,11 @@ class ShardedPool:
         """Pages of one shard: the most one request can ever hold."""
         return self.shards[0].total
 
-    @property
-    def total(self) -> int:
-        return sum(p.total for p in self.shards)
-
-    @property
-    def held(self) -> int:
-        return sum(p.held for p in self.shards)
-
-    @property
-    def available(self) -> int:
-        return sum(p.available for p in self.shards)
-
-    @property
-    def reserved(self) -> int:
-        return sum(p.reserved for p in self.shards)
-
-    @property
-    def cached(self) -> int:
-        return sum(p.cached for p in self.shards)
+    total = _summed("total")
+    held = _summed("held")
+    available = _summed("available")
+    reserved = _summed("reserved")
+    cached = _summed("cached")
 
     def check(self) -> None:
         for pool in self.shards:

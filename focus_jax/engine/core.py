@@ -55,15 +55,7 @@ class Engine:
                  mesh: Mesh | None = None, detokenize: bool = True):
         cfg = model.config
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-        default_slots, default_len = default_shape(devices[0].platform,
-                                                   cfg.max_position_embeddings)
-        slots = slots if slots is not None else config.max_batch or default_slots
-        cache_len = cache_len if cache_len is not None else config.max_cache_len or default_len
-        block = _block_size(cfg, config)
-        if cfg.num_layers < 2:
-            raise ConfigError("decoding needs a model with at least 2 layers")
-        if slots < 1:
-            raise ConfigError(f"slots must be >= 1, got {slots}")
+        slots, cache_len, block = _shape(cfg, config, slots, cache_len, devices[0].platform)
         self.config = config
         self.block_size = block
         self.slots = slots
@@ -223,20 +215,8 @@ class Engine:
         self.output.record_round(results, running)
         outputs = []
         for slot, request in running.items():
-            start = len(request.prompt)
             try:
-                if results.live[slot]:  # its complete blocks so far
-                    request.history = int(results.history[slot])
-                    ids = results.tokens(slot, request.returned, start,
-                                         max(start, int(results.history[slot])))
-                    out = self.output.output(request, ids)
-                else:
-                    ids = results.tokens(slot, request.returned, start,
-                                         start + int(results.out_len[slot]))
-                    # A stop token ends the output before max_new_tokens; otherwise the cap did.
-                    reason = "stop" if len(ids) < request.max_new_tokens else "length"
-                    self.scheduler.finish(request)
-                    out = self.output.output(request, ids, reason)
+                out = _slot_output(self.output, self.scheduler, request, slot, results)
             except Exception as err:  # one request's handling fails: it ends, the others go on
                 if results.live[slot]:
                     self.runner.release([slot])
@@ -252,6 +232,22 @@ class Engine:
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this engine's model, settings and state."""
         return self.runner.lower_round()
+
+
+def _slot_output(output: OutputProcessor, scheduler: Scheduler, request: Request, slot: int,
+                 results: decoding.RoundResults) -> RequestOutput | None:
+    """What a round gave the request in ``slot``: its complete blocks so far, or its end (its
+    slot then freed)."""
+    start = len(request.prompt)
+    if results.live[slot]:
+        request.history = int(results.history[slot])
+        return output.output(request, results.tokens(slot, request.returned, start,
+                                                      max(start, request.history)))
+    ids = results.tokens(slot, request.returned, start, start + int(results.out_len[slot]))
+    # A stop token ends the output before max_new_tokens; otherwise the cap did.
+    reason = "stop" if len(ids) < request.max_new_tokens else "length"
+    scheduler.finish(request)
+    return output.output(request, ids, reason)
 
 
 CPU_SHAPE = (4, 256)
@@ -292,6 +288,21 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
                                    policies=policies, processed_ladder=ladder,
                                    retained_ladder=ladder, kernels=config.kernels, mesh=mesh,
                                    interruptible=config.interruptible_rounds)
+
+
+def _shape(cfg: ModelConfig, config: GenerationConfig, slots: int | None,
+           cache_len: int | None, platform: str) -> tuple[int, int, int]:
+    """An engine's slots, positions per slot (before rounding to whole blocks) and block size:
+    the ones given, else ``config``'s, else the platform's (:func:`default_shape`)."""
+    default_slots, default_len = default_shape(platform, cfg.max_position_embeddings)
+    slots = slots if slots is not None else config.max_batch or default_slots
+    cache_len = cache_len if cache_len is not None else config.max_cache_len or default_len
+    block = _block_size(cfg, config)
+    if cfg.num_layers < 2:
+        raise ConfigError("decoding needs a model with at least 2 layers")
+    if slots < 1:
+        raise ConfigError(f"slots must be >= 1, got {slots}")
+    return slots, cache_len, block
 
 
 def _block_size(cfg: ModelConfig, config: GenerationConfig) -> int:

@@ -158,13 +158,12 @@ class Scheduler:
         if self.prefix_caching and not request.block_hashes:
             request.block_hashes = block_hashes(request.prompt, self.block_size)
 
-        def shared(d: int) -> list[int]:
-            return self.pool.shard(d).match(request.block_hashes) if self.prefix_caching else []
-
+        cached_in = {d: self.pool.shard(d).match(request.block_hashes)
+                     if self.prefix_caching else [] for d in shards}
         history = len(request.prompt) // self.block_size
-        for d in sorted(shards, key=lambda d: (len(shared(d)), self.pool.shard(d).available),
+        for d in sorted(shards, key=lambda d: (len(cached_in[d]), self.pool.shard(d).available),
                         reverse=True):
-            pool, cached = self.pool.shard(d), shared(d)
+            pool, cached = self.pool.shard(d), cached_in[d]
             if not pool.can_take(worst - len(cached), cached):
                 continue
             now = min(worst, history + 1) - len(cached)
