@@ -394,7 +394,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _compile_cache(args)
     mesh = _mesh(args)  # the engine shards the parameters and its state over it
     quantization = _quantization(args)
-    model = (bench.random_model(args.geometry, quantization=quantization) if args.geometry
+    # Compiling only, a geometry's weights need no memory: several such processes can fill the
+    # compilation cache side by side, each at any size.
+    model = (bench.random_model(args.geometry, quantization=quantization,
+                                abstract=args.compile_only and mesh is None) if args.geometry
              else load_model(args.model, quantize=quantization))
     peak = 0.0 if args.compile_only else bench.measured_bf16_peak()
     say = print if is_primary() else (lambda *a, **k: None)
@@ -851,7 +854,8 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
                     help="write the rows (and MFU) to this file (default: print only)")
     be.add_argument("--compile-only", action="store_true",
                     help="closed loop: compile every run's programs into the compilation cache "
-                         "and serve nothing (fill the cache from parallel processes, then time "
+                         "and serve nothing; with --geometry and no --mesh it holds no weights "
+                         "in device memory (fill the cache from parallel processes, then time "
                          "the runs one after another; default: off)")
     _add_quantize_options(be)
     _add_kernels_option(be)

@@ -165,6 +165,8 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
 def _shape(leaf: object) -> object:
     """An argument's stand-in for lowering, as ``jax.jit`` would see it (an uncommitted array
     given a sharding, or a weak type lost, would make another program)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):  # already a stand-in (a model of shapes)
+        return leaf
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type,
                                     sharding=leaf.sharding if leaf.committed else None)
@@ -284,6 +286,8 @@ class Compilations:
     """Read back from the persistent compilation cache."""
     seconds: float = 0.0
     """Wall time of both."""
+    names: list[str] = dataclasses.field(default_factory=list)
+    """The programs' names (``jit(decode_round)``, ...), compiled or read back, in order."""
 
     @property
     def programs(self) -> int:
@@ -299,6 +303,7 @@ def count_compilations() -> Iterator[Compilations]:
         if event == BACKEND_COMPILE:
             seen.compiled += 1
             seen.seconds += duration
+            seen.names.append(str(kwargs.get("fun_name", "")))
 
     def on_event(event: str, **kwargs: object) -> None:
         # A cache read is also reported as a backend compile; count it once, as a load.

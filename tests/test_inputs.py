@@ -2,20 +2,23 @@
 line; ConfigError, RequestError or TypeError in the API. Good inputs in other types (NumPy token
 ids) are taken."""
 
+import dataclasses
 import math
 import os
 import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 import focus_jax
 from focus_jax import GenerationConfig, bench, distributed, evaluate, tasks
 from focus_jax.cli import main
+from focus_jax.compilation import count_compilations
 from focus_jax.config import ConfigError
-from focus_jax.engine import Engine, RequestError
+from focus_jax.engine import Engine, RequestError, run_to_completion
 
 # Small and shared by the decoding tests below, so that they compile once.
 SMALL = GenerationConfig(block_size=4, max_new_tokens=4, bucket_ladder=(0.5, 1.0))
@@ -217,6 +220,28 @@ def test_bench_compile_only_warms_up_and_serves_nothing(model, monkeypatch):
     monkeypatch.setattr(bench, "run_to_completion", no_serving)
     [r] = bench.run(model, ["delayed"], 2, 2, 8, block_size=4, compile_only=True)
     assert r.warmup_compiled + r.warmup_loaded > 0 and r.generated_tokens == 0
+
+
+def test_a_model_of_weight_shapes_compiles_the_programs_its_weights_then_run(model):
+    """``bench --compile-only`` holds no weights: an engine of weight shapes compiles the same
+    round and prefill programs (same arguments, shardings and weak types) that the engine of
+    the real weights then runs without compiling; it refuses to run anything itself."""
+    shapes = dataclasses.replace(model, params=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params))
+    config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8, stop_token_ids=())
+    compiler = Engine(shapes, config, slots=3, cache_len=24)
+    with count_compilations() as first:
+        compiler.warmup(prompt_lengths=[5], run=False)
+    assert {"jit(decode_round)", "jit(prefill)"} <= set(first.names), first.names
+    with pytest.raises(ConfigError, match="weight shapes only can compile"):
+        compiler.warmup(prompt_lengths=[5])
+    engine = Engine(model, config, slots=3, cache_len=24)
+    with count_compilations() as again:
+        engine.warmup(prompt_lengths=[5])
+        request = engine.add_request([5, 6, 7, 8, 9])
+        outputs = run_to_completion(engine)
+    assert not {"jit(decode_round)", "jit(prefill)"} & set(again.names), again.names
+    assert len(outputs[request].token_ids) == 8
 
 
 def free_port() -> int:

@@ -81,6 +81,11 @@ class Runner:
         self.settings, self.slots, self.cache_len = settings, slots, cache_len
         self.prefill_batch, self.steps_per_round = prefill_batch, steps_per_round
         self.pages = pages
+        self.abstract = is_abstract(model.params)
+        """Whether the weights are shapes only (``bench --compile-only``): the state is then
+        shapes too, and the runner can compile its programs but run nothing."""
+        if self.abstract and mesh is not None:
+            raise ConfigError("a model of weight shapes only compiles for one device, not a mesh")
         make_state = functools.partial(decoding.init_state, cfg, slots, cache_len,
                                        settings.block_size, settings.mask_token_id, pages)
         shapes = jax.eval_shape(make_state)
@@ -93,10 +98,11 @@ class Runner:
             placed = sharding.state_sharding(shapes, mesh)
         else:
             placed = SingleDeviceSharding(devices[0])
-        self.state = compilation.PROGRAMS.get(
+        init = compilation.PROGRAMS.get(
             ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, pages,
              placed),
-            lambda: jax.jit(make_state, out_shardings=placed))()
+            lambda: jax.jit(make_state, out_shardings=placed))
+        self.state = init.eval_shape() if self.abstract else init()
         self.model = model
         platform = devices[0].platform
         self._prefill = compilation.prefill_program(platform, model.graphdef, settings, slots,
@@ -211,6 +217,8 @@ class Runner:
         compile, say) multiplies other row counts, which in bfloat16 can flip a near-tie token,
         so switching programs mid-request would make a request's tokens depend on when a
         compile finished (docs/startup.md, "One program per engine")."""
+        if run and self.abstract:
+            raise ConfigError("a model of weight shapes only can compile (run=False), not run")
         buckets = prompt_buckets(self.settings.block_size, self.cache_len)
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
@@ -242,6 +250,12 @@ class Runner:
             self.assign_pages([])
         self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
+
+
+def is_abstract(params: nnx.State) -> bool:
+    """Whether ``params`` are weight shapes (``jax.ShapeDtypeStruct``) rather than arrays: a
+    model to compile for without holding its weights (``bench.random_model(abstract=True)``)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
 
 
 KV_MEMORY_FRACTION = 0.85
