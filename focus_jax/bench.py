@@ -62,12 +62,17 @@ def random_model(name: str, seed: int = 0, dtype: str = "bfloat16",
     """A named geometry (``sdar-1.7b``, ``sdar-8b``) with random weights, built on the device
     (with ``quantization``: its 8-bit weights only, quantized as they are drawn). ``abstract``:
     the weights' shapes only, no device memory: an engine of it compiles its programs (into
-    the persistent compilation cache) and runs nothing (``bench --compile-only``)."""
+    the persistent compilation cache) and runs nothing (``bench --compile-only``); the program
+    that draws the weights is compiled too, for the process that will draw them."""
     check_platform(quantization, jax.default_backend())
     cfg = geometry(name, dtype).replace(quantization=quantization)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed))))
-    make = lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed)))
-    params = jax.eval_shape(make) if abstract else jax.jit(make)()
+    draw = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))))
+    if abstract:
+        draw.lower().compile()
+        params = jax.eval_shape(draw)
+    else:
+        params = draw()
     return Model(cfg, graphdef, params, None, stop_token_ids=())
 
 
