@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from focus_jax import compilation
 from focus_jax.compilation import count_compilations
 from focus_jax.config import GenerationConfig, ModelConfig, Quantization, check_integer
 from focus_jax.engine import Engine, SamplingParams, run_to_completion
@@ -210,6 +212,55 @@ class BenchResult(_Throughput):
         return self.model_flops / self.decode_seconds / peak
 
 
+def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
+                 requests_per_slot: int, max_new_tokens: int, seed: int = 0,
+                 long_prompts: tuple[float, int, int] | None = None,
+                 max_model_len: int | None = None, workers: int | None = None,
+                 **generation: object) -> float:
+    """Compile the programs of every run that :func:`run` makes for each of ``batches`` (with
+    ``batch * requests_per_slot`` requests) in each mode, all at once, ``workers`` at a time
+    (default: one per two cores, at most 12), for the weights' shapes only (no device memory
+    beyond the weights already held). The runs then compile nothing: one process's compiles
+    overlap, and each run's timing is its own. The seconds it took."""
+    start = time.perf_counter()
+    shapes = dataclasses.replace(model, params=jax.tree.map(compilation.shape_of, model.params))
+    # Each engine keeps at most four jitted programs (its state's, the round, two prefills):
+    # all must stay for the runs, which then find them compiled.
+    runs = len(batches) * len(modes)
+    compilation.PROGRAMS.capacity = max(compilation.PROGRAMS.capacity, 4 * runs)
+    rounds, prefills = [], []
+    for batch in batches:
+        configs, prompts, cache_len = _plan(model, modes, batch, batch * requests_per_slot,
+                                            max_new_tokens, seed, None, long_prompts,
+                                            max_model_len, generation)
+        for config in configs:
+            engine = Engine(shapes, config, slots=batch, cache_len=cache_len, detokenize=False)
+            first, *rest = engine.runner.programs([len(p) for p in prompts],
+                                                  prefix=config.prefix_caching)
+            rounds.append(first)  # the longest compiles first
+            prefills += rest
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    compilation.compile_together(rounds + prefills, workers or max(1, min(12, (cores or 2) // 2)))
+    return time.perf_counter() - start
+
+
+def _plan(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
+          seed: int, block_size: int | None, long_prompts: tuple[float, int, int] | None,
+          max_model_len: int | None, generation: dict
+          ) -> tuple[list[GenerationConfig], list[list[int]], int]:
+    """A run's configs (one per mode), prompts and cache length (:func:`run`)."""
+    cfg = model.config
+    block = block_size or cfg.block_size or 32
+    configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
+                                stop_token_ids=(), **generation) for mode in modes]
+    check_integer("batch", batch, minimum=1)
+    check_integer("requests", requests, minimum=1)
+    lengths = prompt_lengths(requests, seed, long=long_prompts)
+    prompts = random_prompts(cfg, lengths, seed + 1)
+    # The engine rounds it up to whole blocks.
+    return configs, prompts, max_model_len or max(lengths) + max_new_tokens
+
+
 def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,
         seed: int = 0, block_size: int | None = None, progress: bool = False,
         mesh: Mesh | None = None, long_prompts: tuple[float, int, int] | None = None,
@@ -220,16 +271,8 @@ def run(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_t
     positions per slot (default: the longest prompt plus ``max_new_tokens``); ``compile_only``:
     warm up (into the persistent compilation cache, if on) and serve nothing: the results carry
     only the warm-up's figures."""
-    cfg = model.config
-    block = block_size or cfg.block_size or 32
-    configs = [GenerationConfig(mode=mode, block_size=block, max_new_tokens=max_new_tokens,
-                                stop_token_ids=(), **generation) for mode in modes]
-    check_integer("batch", batch, minimum=1)
-    check_integer("requests", requests, minimum=1)
-    lengths = prompt_lengths(requests, seed, long=long_prompts)
-    prompts = random_prompts(cfg, lengths, seed + 1)
-    # The engine rounds it up to whole blocks.
-    cache_len = max_model_len or max(lengths) + max_new_tokens
+    configs, prompts, cache_len = _plan(model, modes, batch, requests, max_new_tokens, seed,
+                                        block_size, long_prompts, max_model_len, generation)
     return [_run_mode(model, config, batch, prompts, cache_len, progress, mesh, compile_only)
             for config in configs]
 

@@ -421,7 +421,16 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
     import jax
 
     from focus_jax import bench
+    from focus_jax.distributed import is_primary
 
+    if mesh is None and len(batches) * len(modes) > 1:
+        # Every run's programs at once, side by side: each run then compiles nothing.
+        seconds = bench.compile_runs(model, modes, batches, args.requests_per_slot,
+                                     args.max_new_tokens, long_prompts=_long_prompts(args),
+                                     max_model_len=args.max_model_len, **generation)
+        if is_primary():
+            print(f"compiled the programs of {len(batches) * len(modes)} runs in {seconds:.1f}s",
+                  flush=True)
     for batch in batches:
         for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
                            args.max_new_tokens, mesh=mesh, long_prompts=_long_prompts(args),

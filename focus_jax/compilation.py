@@ -162,7 +162,7 @@ def decode_round_program(platform: str, graphdef: nnx.GraphDef,
 
 
 # ---------------------------------------------------------------------------- compiling a warm-up
-def _shape(leaf: object) -> object:
+def shape_of(leaf: object) -> object:
     """An argument's stand-in for lowering, as ``jax.jit`` would see it (an uncommitted array
     given a sharding, or a weak type lost, would make another program)."""
     if isinstance(leaf, jax.ShapeDtypeStruct):  # already a stand-in (a model of shapes)
@@ -187,13 +187,19 @@ machine, four on a 16-core GPU host). XLA's passes over one program run on one t
 code generation already spreads over the cores."""
 
 
-def compile_together(programs: list[tuple[Callable, tuple, dict]]) -> None:
+def compile_together(programs: list[tuple[Callable, tuple, dict]],
+                     workers: int | None = None) -> None:
     """Compile each jitted ``(program, args, static)`` for arguments shaped like ``args`` (and
-    the static keyword arguments ``static``), :data:`WARMUP_WORKERS` at a time, longest first
-    as listed. The first compile error is raised."""
-    shaped = [(program, jax.tree.map(_shape, args), static)  # before donation
-              for program, args, static in programs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_WORKERS,
+    the static keyword arguments ``static``), ``workers`` (default :data:`WARMUP_WORKERS`) at
+    a time, longest first as listed. The first compile error is raised."""
+    shaped, seen = [], set()
+    for program, args, static in programs:
+        entry = (program, jax.tree.map(shape_of, args), static)  # before donation
+        key = (id(program), repr(entry[1]), repr(static))  # engines share some programs
+        if key not in seen:
+            seen.add(key)
+            shaped.append(entry)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers or WARMUP_WORKERS,
                                                thread_name_prefix="focus_jax_warmup") as pool:
         for future in [pool.submit(_compile, *entry) for entry in shaped]:
             future.result()

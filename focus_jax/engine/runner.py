@@ -219,6 +219,26 @@ class Runner:
         compile finished (docs/startup.md, "One program per engine")."""
         if run and self.abstract:
             raise ConfigError("a model of weight shapes only can compile (run=False), not run")
+        padding, after_prefix = self._warmup_inputs(prompt_lengths, prefix)
+        if compilation.WARMUP_WORKERS > 1 or not run:  # side by side first, the round the longest
+            compilation.compile_together(self.programs(prompt_lengths, prefix))
+        if not run:
+            return
+        for args in padding:
+            self._run_prefill(*args)
+        for args, static in after_prefix:
+            self.state = self._prefix_prefill(self.model.params, self.state, *args, **static)
+        self.release([])
+        if self.pages is not None:
+            self.assign_pages([])
+        self.state, _, _ = self._round(*self._round_args(False))
+        jax.block_until_ready(self.state)
+
+
+    def _warmup_inputs(self, prompt_lengths: Sequence[int] | None, prefix: bool
+                       ) -> tuple[list[tuple], list[tuple[tuple, dict]]]:
+        """The warm-up's padding inputs: the prefills' (for each rows and prompt bucket), and
+        with ``prefix`` the prefills' after a cached prefix (with their static ``computed``)."""
         buckets = prompt_buckets(self.settings.block_size, self.cache_len)
         if prompt_lengths is not None:
             buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
@@ -233,23 +253,19 @@ class Runner:
               slot_params_rows([], n)), {"computed": rest})
             for n, rest in itertools.product(rows, prompt_buckets(self.settings.block_size,
                                                                   max(buckets)))]
-        if compilation.WARMUP_WORKERS > 1 or not run:  # side by side first, the round the longest
-            compilation.compile_together(
-                [(self._round, self._round_args(False), {})]
-                + [(self._prefill, (self.model.params, self.state, *args), {}) for args in padding]
+        return padding, after_prefix
+
+    def programs(self, prompt_lengths: Sequence[int] | None = None, prefix: bool = False
+                 ) -> list[tuple]:
+        """What :meth:`warmup` compiles, as :func:`compilation.compile_together` takes it:
+        ``(program, args, static)`` for the round (first: the longest compile) and each
+        prefill."""
+        padding, after_prefix = self._warmup_inputs(prompt_lengths, prefix)
+        return ([(self._round, self._round_args(False), {})]
+                + [(self._prefill, (self.model.params, self.state, *args), {})
+                   for args in padding]
                 + [(self._prefix_prefill, (self.model.params, self.state, *args), static)
                    for args, static in after_prefix])
-        if not run:
-            return
-        for args in padding:
-            self._run_prefill(*args)
-        for args, static in after_prefix:
-            self.state = self._prefix_prefill(self.model.params, self.state, *args, **static)
-        self.release([])
-        if self.pages is not None:
-            self.assign_pages([])
-        self.state, _, _ = self._round(*self._round_args(False))
-        jax.block_until_ready(self.state)
 
 
 def is_abstract(params: nnx.State) -> bool:
