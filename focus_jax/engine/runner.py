@@ -90,7 +90,8 @@ class Runner:
                                        settings.block_size, settings.mask_token_id, pages)
         shapes = jax.eval_shape(make_state)
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-        check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
+        if not self.abstract:  # shapes hold nothing: the engine that runs them checks
+            check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
         if mesh is not None:
             # Slots (and the cache) over "data", heads and MLP over "model": each data shard
             # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
