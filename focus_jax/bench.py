@@ -216,7 +216,7 @@ def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
                  requests_per_slot: int, max_new_tokens: int, seed: int = 0,
                  long_prompts: tuple[float, int, int] | None = None,
                  max_model_len: int | None = None, workers: int | None = None,
-                 **generation: object) -> float:
+                 block_size: int | None = None, **generation: object) -> float:
     """Compile the programs of every run that :func:`run` makes for each of ``batches`` (with
     ``batch * requests_per_slot`` requests) in each mode, all at once, ``workers`` at a time
     (default: one per two cores, at most 12), for the weights' shapes only (no device memory
@@ -231,7 +231,7 @@ def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
     rounds, prefills = [], []
     for batch in batches:
         configs, prompts, cache_len = _plan(model, modes, batch, batch * requests_per_slot,
-                                            max_new_tokens, seed, None, long_prompts,
+                                            max_new_tokens, seed, block_size, long_prompts,
                                             max_model_len, generation)
         for config in configs:
             engine = Engine(shapes, config, slots=batch, cache_len=cache_len, detokenize=False)

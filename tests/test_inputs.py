@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import focus_jax
-from focus_jax import GenerationConfig, bench, distributed, evaluate, tasks
+from focus_jax import GenerationConfig, bench, compilation, distributed, evaluate, tasks
 from focus_jax.cli import main
 from focus_jax.compilation import count_compilations
 from focus_jax.config import ConfigError
@@ -242,6 +242,20 @@ def test_a_model_of_weight_shapes_compiles_the_programs_its_weights_then_run(mod
         outputs = run_to_completion(engine)
     assert not {"jit(decode_round)", "jit(prefill)"} & set(again.names), again.names
     assert len(outputs[request].token_ids) == 8
+
+
+def test_bench_compiles_every_runs_programs_first_and_the_runs_compile_none(model, monkeypatch):
+    """``bench`` with several batches and modes compiles all their programs at once, before the
+    first run; each run then compiles none of them, even where the process keeps fewer
+    programs than the runs need together (here two)."""
+    monkeypatch.setattr(compilation.PROGRAMS, "capacity", 2)
+    with count_compilations() as first:
+        bench.compile_runs(model, ["baseline", "focus"], [2, 3], 1, 8, block_size=4, workers=2)
+    assert first.names.count("jit(decode_round)") == 4, first.names
+    for batch in (2, 3):
+        with count_compilations() as again:
+            bench.run(model, ["baseline", "focus"], batch, batch, 8, block_size=4)
+        assert not {"jit(decode_round)", "jit(prefill)"} & set(again.names), again.names
 
 
 def free_port() -> int:
