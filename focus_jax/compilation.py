@@ -34,6 +34,13 @@ CACHE_DIR_ENV = "FOCUS_JAX_CACHE_DIR"
 PERSISTENT_CACHE_MAX_BYTES = 4 * 2**30
 """The persistent cache's size limit: past it, JAX deletes the least recently read entries."""
 
+SOURCE_PATH_PREFIX = r"^.*?/(?=(?:focus_jax|pallas_kernels)/)|^.*/(?:site|dist)-packages/"
+"""What source locations drop of a file's path (JAX's ``hlo_source_file_canonicalization_regex``):
+the folder the project or a package is installed in. JAX's cache key strips a program's source
+locations, but not those inside a Mosaic GPU kernel (tokamax's grouped matmul), whose serialized
+module sits in the program: with whole paths there, a cached mixture-of-experts program would be
+found again only from the same install folder."""
+
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
@@ -233,9 +240,12 @@ def use_persistent_cache(folder: Path | None = None) -> Path | None:
     its own folder (``jax_compilation_cache_dir``, e.g. from ``JAX_COMPILATION_CACHE_DIR``) or
     turned the cache off (``jax_enable_compilation_cache``: ``JAX_ENABLE_COMPILATION_CACHE=0``,
     ``focus-jax --no-compile-cache``). Returns the folder in use, or None. Engines call it
-    before their first compilation."""
+    before their first compilation. Source locations name files from their package on
+    (:data:`SOURCE_PATH_PREFIX`), unless the process chose its own rule."""
     global _cache_checked
     _cache_checked = True
+    if not jax.config.jax_hlo_source_file_canonicalization_regex:
+        jax.config.update("jax_hlo_source_file_canonicalization_regex", SOURCE_PATH_PREFIX)
     if not jax.config.jax_enable_compilation_cache:
         return None
     if jax.config.jax_compilation_cache_dir:

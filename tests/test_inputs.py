@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -256,6 +257,17 @@ def test_bench_compiles_every_runs_programs_first_and_the_runs_compile_none(mode
         with count_compilations() as again:
             bench.run(model, ["baseline", "focus"], batch, batch, 8, block_size=4)
         assert not {"jit(decode_round)", "jit(prefill)"} & set(again.names), again.names
+
+
+def test_compiled_programs_name_their_source_files_from_the_package_on(model):
+    """Source locations inside a program (which a Mosaic GPU kernel's serialized module keeps
+    in the compilation cache's key) hold no install folder: a cached program is found again
+    from another folder (a copied cache, another checkout)."""
+    engine = Engine(model, GenerationConfig(mode="focus", block_size=4, max_new_tokens=8,
+                                            stop_token_ids=()), slots=2, cache_len=16)
+    text = engine.runner.lower_round().as_text(debug_info=True)
+    root = str(Path(focus_jax.__file__).resolve().parents[1])
+    assert '"focus_jax/decoding.py"' in text and root + "/focus_jax" not in text
 
 
 def free_port() -> int:
