@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15 -m "not gpu" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not gpu" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 demo: $(STAMP)
 	$(VENV)/bin/focus-jax demo

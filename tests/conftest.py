@@ -23,10 +23,16 @@ def model():
     return tiny_model(seed=0, scale=4.0, tokenizer=True)
 
 
-SLOWEST_FIRST = ("test_sharding.py",)
-"""Files whose tests start first: with ``pytest -n 2`` (make test) the 8-device subprocess of
-test_sharding.py (about 5 minutes) then runs beside the rest instead of alone at the end."""
+SLOWEST_FIRST = ("test_sharding.py", "test_compilation.py", "test_moe_decoding.py", "test_paged.py",
+                 "test_compile_check.py", "test_serve.py", "test_kernels.py", "test_lifecycle.py",
+                 "test_quantization.py", "test_decoding.py", "test_cli.py", "test_focus.py")
+"""Files whose tests start first, slowest first: with ``pytest -n 2 --dist loadfile
+--no-loadscope-reorder`` (make test) each worker takes the next file in this order, so the
+8-device subprocess of test_sharding.py (the longest file) runs beside the rest instead of alone
+at the end, and the short files fill the gaps last. (xdist's default order, most tests first,
+started test_sharding.py, which has few tests, after two thirds of the run.)"""
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in SLOWEST_FIRST)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -74,11 +74,14 @@ def test_focus_step_in_the_smallest_bucket_costs_a_third_of_baseline(deep_model)
     assert focus <= baseline / 3
 
 
+BENCH = dict(batch=4, requests=6, max_new_tokens=8, block_size=4, threshold=0.04, alpha=1.0)
+"""The bench runs' shapes and settings, shared: a mode's programs compile once for both tests."""
+
+
 def test_bench_counts_no_compilation_after_warmup_and_splits_the_wall_time(model):
     from focus_jax import bench
 
-    results = bench.run(model, ["baseline", "focus"], batch=4, requests=6, max_new_tokens=8,
-                        block_size=4, threshold=0.04, alpha=1.0)
+    results = bench.run(model, ["baseline", "focus"], **BENCH)
     for r in results:
         assert r.compilations == 0, r
         assert r.generated_tokens == 6 * 8  # no stop tokens: every request runs to the cap
@@ -109,8 +112,7 @@ def test_bench_frees_each_mode_engine_before_the_next(model, monkeypatch):
         return result
 
     monkeypatch.setattr(bench, "Engine", engine)
-    results = bench.run(model, ["baseline", "delayed", "focus"], batch=2, requests=2,
-                        max_new_tokens=4, block_size=4)
+    results = bench.run(model, ["baseline", "delayed", "focus"], **BENCH)
     assert [r.mode for r in results] == ["baseline", "delayed", "focus"] and len(made) == 3
 
 

@@ -4,6 +4,7 @@ Shapes are tiny and the ladders short: a compile of the tiny model's decode roun
 on two cores, where a 16-bucket ladder of a real geometry takes minutes.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -25,7 +26,10 @@ TINY = tiny_config(num_heads=8, num_kv_heads=4, dtype="bfloat16", block_size=8)
 SHORT_LADDER = (0.5, 1.0)
 
 
+@functools.cache
 def decode_round(mode: str, topology: str, mesh: str | None, kernels: str, **generation):
+    """The report of the tiny decode round compiled for ``topology`` (each compiled once per
+    session: the tests below read the same reports)."""
     target = compile_check.make_target(
         TINY, topology, slots=16, positions=64, mesh=mesh, prompt_lengths=(),
         generation=GenerationConfig(mode=mode, kernels=kernels, bucket_ladder=SHORT_LADDER,

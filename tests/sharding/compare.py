@@ -2,8 +2,9 @@
 
     XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false" \
         python tests/sharding/compare.py MODE...
-Prints one JSON line per mode and mesh: whether the tokens are equal, and how the cache and a
-weight are spread over the devices after the run.
+Prints one JSON line per mode and mesh (FOCUS on every mesh, the other modes on data=2, model=4):
+whether the tokens are equal, and how the cache and a weight are spread over the devices after
+the run.
 
 Without the second flag XLA may keep a bfloat16 intermediate in float32 (it drops a convert to
 bfloat16 and back), and where it does depends on how the program is built: on the CPU the step
@@ -37,7 +38,11 @@ def main() -> None:
     assert len(jax.devices()) == 8, jax.devices()
     assert "--xla_allow_excess_precision=false" in os.environ.get("XLA_FLAGS", ""), __doc__
     for mode in sys.argv[1:]:
-        compare(mode)
+        # FOCUS on every mesh: its step holds everything the other modes' do (the delayed
+        # cache's processed-token compaction, the whole block of baseline's) and more (the
+        # eviction's sharded importance kernel, the retained compaction). The other modes on
+        # the mesh that splits both data and model.
+        compare(mode, meshes=MESHES if mode == "focus" else ((2, 4),))
     # Sampling: every data shard draws with the keys of the rows' global positions.
     compare("focus", temperature=0.8, meshes=((8, 1),))
     print(json.dumps({"bundled_focus_equal": compare_bundled()}), flush=True)
@@ -126,22 +131,30 @@ def data_parallel_collectives() -> dict[str, int]:
     """Collectives in the compiled decode round on an 8-way data mesh (each shard steps its own
     slots, so the step itself needs none)."""
     model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
-    config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8, stop_token_ids=())
-    engine = Engine(model, config, slots=8, cache_len=32, mesh=make_mesh(8, 1))
+    # compare("focus")'s settings: the data=8 round it ran, not another program to compile.
+    engine = Engine(model, compare_config("focus"), slots=8, cache_len=32, mesh=make_mesh(8, 1))
     text = engine.lower_round().compile().as_text()
     ops = re.findall(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
                      r"(?:-start)?\(", text)
     return dict(collections.Counter(ops))
 
 
+MESHES = ((8, 1), (1, 8), (2, 4))
+"""(data, model): all data, all model, both."""
+
+
+def compare_config(mode: str, temperature: float = 0.0) -> GenerationConfig:
+    return GenerationConfig(mode=mode, block_size=4, threshold=0.04, alpha=1.0, max_new_tokens=8,
+                            stop_token_ids=(), max_batch=8, bucket_ladder=(0.25, 0.5, 1.0),
+                            temperature=temperature)
+
+
 def compare(mode: str, temperature: float = 0.0,
-            meshes: tuple[tuple[int, int], ...] = ((8, 1), (1, 8), (2, 4))) -> None:
+            meshes: tuple[tuple[int, int], ...] = MESHES) -> None:
     # Eight query and KV heads, so that the model axis can take all 8 devices.
     model = tiny_model(seed=0, scale=4.0, num_heads=8, num_kv_heads=8, head_dim=8)
     prompts = random_prompts(8, 128, 2, 14, seed=31)
-    config = GenerationConfig(mode=mode, block_size=4, threshold=0.04, alpha=1.0,
-                              max_new_tokens=8, stop_token_ids=(), max_batch=8,
-                              bucket_ladder=(0.25, 0.5, 1.0), temperature=temperature)
+    config = compare_config(mode, temperature)
     single = [r.token_ids for r in generate(model, prompts, config)]
     for data, parallel in meshes:
         engine = Engine(model, config, slots=8, cache_len=32, mesh=make_mesh(data, parallel))
