@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -239,8 +238,8 @@ def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
                                                   prefix=config.prefix_caching)
             rounds.append(first)  # the longest compiles first
             prefills += rest
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    compilation.compile_together(rounds + prefills, workers or max(1, min(12, (cores or 2) // 2)))
+    compilation.compile_together(rounds + prefills,
+                                 workers or max(1, min(12, compilation.CORES // 2)))
     return time.perf_counter() - start
 
 

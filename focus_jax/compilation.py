@@ -187,8 +187,8 @@ def _compile(program: Callable, shapes: tuple, static: dict) -> None:
     program.lower(*shapes, **static).compile()
 
 
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-WARMUP_WORKERS = max(1, min(4, _CORES // 4))
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+WARMUP_WORKERS = max(1, min(4, CORES // 4))
 """Programs a warm-up compiles at once: one per four cores, at most four (one on the 2-core CI
 machine, four on a 16-core GPU host). XLA's passes over one program run on one thread; its
 code generation already spreads over the cores."""

@@ -222,7 +222,7 @@ class Runner:
             raise ConfigError("a model of weight shapes only can compile (run=False), not run")
         padding, after_prefix = self._warmup_inputs(prompt_lengths, prefix)
         if compilation.WARMUP_WORKERS > 1 or not run:  # side by side first, the round the longest
-            compilation.compile_together(self.programs(prompt_lengths, prefix))
+            compilation.compile_together(self._programs(padding, after_prefix))
         if not run:
             return
         for args in padding:
@@ -234,7 +234,6 @@ class Runner:
             self.assign_pages([])
         self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
-
 
     def _warmup_inputs(self, prompt_lengths: Sequence[int] | None, prefix: bool
                        ) -> tuple[list[tuple], list[tuple[tuple, dict]]]:
@@ -261,7 +260,10 @@ class Runner:
         """What :meth:`warmup` compiles, as :func:`compilation.compile_together` takes it:
         ``(program, args, static)`` for the round (first: the longest compile) and each
         prefill."""
-        padding, after_prefix = self._warmup_inputs(prompt_lengths, prefix)
+        return self._programs(*self._warmup_inputs(prompt_lengths, prefix))
+
+    def _programs(self, padding: list[tuple], after_prefix: list[tuple[tuple, dict]]
+                  ) -> list[tuple]:
         return ([(self._round, self._round_args(False), {})]
                 + [(self._prefill, (self.model.params, self.state, *args), {})
                    for args in padding]
