@@ -180,11 +180,20 @@ def shape_of(leaf: object) -> object:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") else leaf
 
 
+_LOWERING = threading.Lock()
+"""Programs are traced and lowered one at a time (a second or two each at SDAR-30B-A3B, against
+a minute or more of compiling): a trace can import a kernel's library on first use, and two
+threads importing at once can be handed a half-initialised module by Python's import-deadlock
+guard (seen on the H200 with tokamax, :mod:`pallas_kernels.grouped_matmul.tokamax_mosaic`)."""
+
+
 def _compile(program: Callable, shapes: tuple, static: dict) -> None:
     """Compile the jitted ``program`` for the argument stand-ins ``shapes`` and its static
     keyword arguments ``static``: calling it with arguments of those shapes then compiles
     nothing (``jax.jit`` keeps the executable)."""
-    program.lower(*shapes, **static).compile()
+    with _LOWERING:
+        lowered = program.lower(*shapes, **static)
+    lowered.compile()
 
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -310,3 +310,31 @@ def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkey
     expected_ids = [sequential.add_request(p) for p in prompts]
     expected = run_to_completion(sequential)
     assert [results[i].token_ids for i in ids] == [expected[i].token_ids for i in expected_ids]
+
+
+def test_programs_compiled_side_by_side_are_traced_one_at_a_time():
+    # A trace can import a kernel's library on first use; two at once can be handed a
+    # half-initialised module (tokamax on the H200). Each trace below waits long enough for
+    # another worker to start its own, were traces not kept apart.
+    import threading
+    import time
+
+    import jax.numpy as jnp
+
+    from focus_jax import compilation
+
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    def traced(x):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.2)
+        with lock:
+            active[0] -= 1
+        return x + 1
+
+    programs = [(jax.jit(traced), (jnp.zeros(n),), {}) for n in range(1, 5)]
+    compilation.compile_together(programs, workers=4)
+    assert most[0] == 1
