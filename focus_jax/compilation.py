@@ -182,9 +182,10 @@ def shape_of(leaf: object) -> object:
 
 _LOWERING = threading.Lock()
 """Programs are traced and lowered one at a time (a second or two each at SDAR-30B-A3B, against
-a minute or more of compiling): a trace can import a kernel's library on first use, and two
-threads importing at once can be handed a half-initialised module by Python's import-deadlock
-guard (seen on the H200 with tokamax, :mod:`pallas_kernels.grouped_matmul.tokamax_mosaic`)."""
+a minute or more of compiling): a trace can import a kernel's library on first use, and while
+one thread's import is failing, another can be handed the half-initialised module instead of
+the error (seen on the H200: tokamax without pydantic gave ``module 'tokamax' has no attribute
+'ragged_dot'``)."""
 
 
 def _compile(program: Callable, shapes: tuple, static: dict) -> None:

@@ -62,6 +62,34 @@ def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def warmup_inputs(block_size: int, slots: int, cache_len: int, prefill_batch: int,
+                  prompt_lengths: Sequence[int] | None, prefix: bool
+                  ) -> tuple[list[tuple], list[tuple[tuple, dict]]]:
+    """A warm-up's padding inputs (:meth:`Runner.warmup`): the prefills' (for each of
+    :func:`prefill_rows` and prompt bucket: every bucket of ``cache_len``, or those of
+    ``prompt_lengths`` when they are known), and with ``prefix`` the prefills' after a cached
+    prefix (with their static ``computed``)."""
+    buckets = prompt_buckets(block_size, cache_len)
+    if prompt_lengths is not None:
+        buckets = sorted({prompt_bucket(block_size, cache_len, n) for n in prompt_lengths})
+    # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
+    rows = prefill_rows(prefill_batch)
+    padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
+                np.full((n,), slots, np.int32), slot_params_rows([], n))
+               for n, length in itertools.product(rows, buckets)]
+    after_prefix = [] if not prefix else [
+        ((np.zeros((n, cache_len + rest), np.int32), np.ones((n,), np.int32),
+          np.zeros((n,), np.int32), np.full((n,), slots, np.int32),
+          slot_params_rows([], n)), {"computed": rest})
+        for n, rest in itertools.product(rows, prompt_buckets(block_size, max(buckets)))]
+    return padding, after_prefix
+
+
+def prompt_bucket(block_size: int, cache_len: int, length: int) -> int:
+    """The padded length a prompt of ``length`` tokens is prefilled at (:func:`prompt_buckets`)."""
+    return next(size for size in prompt_buckets(block_size, cache_len) if size >= length)
+
+
 def prefill_rows(prefill_batch: int) -> tuple[int, ...]:
     """The row counts of the prefill programs: one request alone, or a full prefill batch
     (:meth:`Runner.prefill`)."""
@@ -113,15 +141,13 @@ class Runner:
         self._prefix_prefill = compilation.prefix_prefill_program(
             platform, model.graphdef, settings, slots, cache_len, pages)
         self._release = compilation.release_program
-        self._platform = platform
         self.interrupt = interrupts.Interrupt()
         """Ends a running round after its current step when set (read by interruptible rounds
         only: ``settings.interruptible``)."""
 
     def prompt_bucket(self, length: int) -> int:
         """The padded length a prompt of ``length`` tokens is prefilled at."""
-        return next(size for size in prompt_buckets(self.settings.block_size, self.cache_len)
-                    if size >= length)
+        return prompt_bucket(self.settings.block_size, self.cache_len, length)
 
     def prefill(self, batch: Sequence[Request]) -> None:
         """Start the requests of ``batch`` (at most ``prefill_batch``) in their slots. Up to half
@@ -235,32 +261,16 @@ class Runner:
         self.state, _, _ = self._round(*self._round_args(False))
         jax.block_until_ready(self.state)
 
-    def _warmup_inputs(self, prompt_lengths: Sequence[int] | None, prefix: bool
-                       ) -> tuple[list[tuple], list[tuple[tuple, dict]]]:
-        """The warm-up's padding inputs: the prefills' (for each rows and prompt bucket), and
-        with ``prefix`` the prefills' after a cached prefix (with their static ``computed``)."""
-        buckets = prompt_buckets(self.settings.block_size, self.cache_len)
-        if prompt_lengths is not None:
-            buckets = sorted({self.prompt_bucket(n) for n in prompt_lengths})
-        # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
-        rows = prefill_rows(self.prefill_batch)
-        padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
-                    np.full((n,), self.slots, np.int32), slot_params_rows([], n))
-                   for n, length in itertools.product(rows, buckets)]
-        after_prefix = [] if not prefix else [
-            ((np.zeros((n, self.cache_len + rest), np.int32), np.ones((n,), np.int32),
-              np.zeros((n,), np.int32), np.full((n,), self.slots, np.int32),
-              slot_params_rows([], n)), {"computed": rest})
-            for n, rest in itertools.product(rows, prompt_buckets(self.settings.block_size,
-                                                                  max(buckets)))]
-        return padding, after_prefix
-
     def programs(self, prompt_lengths: Sequence[int] | None = None, prefix: bool = False
                  ) -> list[tuple]:
         """What :meth:`warmup` compiles, as :func:`compilation.compile_together` takes it:
         ``(program, args, static)`` for the round (first: the longest compile) and each
         prefill."""
         return self._programs(*self._warmup_inputs(prompt_lengths, prefix))
+
+    def _warmup_inputs(self, prompt_lengths: Sequence[int] | None, prefix: bool) -> tuple:
+        return warmup_inputs(self.settings.block_size, self.slots, self.cache_len,
+                             self.prefill_batch, prompt_lengths, prefix)
 
     def _programs(self, padding: list[tuple], after_prefix: list[tuple[tuple, dict]]
                   ) -> list[tuple]:

@@ -28,7 +28,6 @@ import contextlib
 import functools
 import importlib.util
 import logging
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -49,19 +48,6 @@ GPU_TILE = 64
 rows (64 bf16 elements): on the H200 ``k = 96`` and ``k = 200`` fail to lower, and so does
 ``n = 48`` with a float32 output. ``k`` and ``n`` must be multiples of 64 (every expert
 projection is)."""
-
-
-_IMPORT = threading.Lock()
-
-
-def _tokamax():
-    """tokamax, imported by one thread at a time. A program's first trace can import it, and
-    programs are traced side by side (``compilation.compile_together``): two threads importing
-    it at once can meet Python's import-deadlock guard, which hands one of them the module half
-    initialised (seen on the H200: ``module 'tokamax' has no attribute 'ragged_dot'``)."""
-    with _IMPORT:
-        import tokamax
-    return tokamax
 
 
 @functools.cache
@@ -142,7 +128,8 @@ def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.Q
                    preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
     """Contract in :func:`pallas_kernels.grouped_matmul.reference.grouped_matmul`; ``platform``
     (``"gpu"`` or ``"tpu"``) picks the kernel. Callers check :func:`unsupported` first."""
-    tokamax = _tokamax()
+    import tokamax
+
     _quiet_autotuning_misses()
 
     group_sizes = group_sizes.astype(jnp.int32)
