@@ -215,12 +215,13 @@ def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
                  requests_per_slot: int, max_new_tokens: int, seed: int = 0,
                  long_prompts: tuple[float, int, int] | None = None,
                  max_model_len: int | None = None, workers: int | None = None,
-                 block_size: int | None = None, **generation: object) -> float:
+                 block_size: int | None = None, requests: int | None = None,
+                 **generation: object) -> float:
     """Compile the programs of every run that :func:`run` makes for each of ``batches`` (with
-    ``batch * requests_per_slot`` requests) in each mode, all at once, ``workers`` at a time
-    (default: one per two cores, at most 12), for the weights' shapes only (no device memory
-    beyond the weights already held). The runs then compile nothing: one process's compiles
-    overlap, and each run's timing is its own. The seconds it took."""
+    ``requests`` requests, default ``batch * requests_per_slot``) in each mode, all at once,
+    ``workers`` at a time (default: one per two cores, at most 12), for the weights' shapes only
+    (no device memory beyond the weights already held). The runs then compile nothing: one
+    process's compiles overlap, and each run's timing is its own. The seconds it took."""
     start = time.perf_counter()
     shapes = dataclasses.replace(model, params=jax.tree.map(compilation.shape_of, model.params))
     # Each engine keeps at most four jitted programs (its state's, the round, two prefills):
@@ -229,7 +230,8 @@ def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
     compilation.PROGRAMS.capacity = max(compilation.PROGRAMS.capacity, 4 * runs)
     rounds, prefills = [], []
     for batch in batches:
-        configs, prompts, cache_len = _plan(model, modes, batch, batch * requests_per_slot,
+        configs, prompts, cache_len = _plan(model, modes, batch,
+                                            requests or batch * requests_per_slot,
                                             max_new_tokens, seed, block_size, long_prompts,
                                             max_model_len, generation)
         for config in configs:

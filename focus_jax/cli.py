@@ -380,7 +380,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Every option is checked before the peak measurement and the model (minutes on a CPU).
     batches = _positive_integers("--batches", args.batches)
     modes = _modes(args.modes)
-    _require_positive(args, "requests_per_slot", "max_new_tokens")
+    _require_positive(args, "requests_per_slot", "requests", "max_new_tokens")
     ladder = {**_ladder(args.bucket_ladder), "steps_per_round": args.steps_per_round,
               "kernels": args.kernels, "commit_refresh": args.commit_refresh,
               **_kv_cache(args)}
@@ -427,12 +427,13 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
         # Every run's programs at once, side by side: each run then compiles nothing.
         seconds = bench.compile_runs(model, modes, batches, args.requests_per_slot,
                                      args.max_new_tokens, long_prompts=_long_prompts(args),
-                                     max_model_len=args.max_model_len, **generation)
+                                     max_model_len=args.max_model_len,
+                                     requests=args.requests, **generation)
         if is_primary():
             print(f"compiled the programs of {len(batches) * len(modes)} runs in {seconds:.1f}s",
                   flush=True)
     for batch in batches:
-        for r in bench.run(model, modes, batch, batch * args.requests_per_slot,
+        for r in bench.run(model, modes, batch, _requests(args, batch),
                            args.max_new_tokens, mesh=mesh, long_prompts=_long_prompts(args),
                            max_model_len=args.max_model_len, compile_only=args.compile_only,
                            **generation):
@@ -484,6 +485,11 @@ def _long_prompts(args: argparse.Namespace) -> tuple[float, int, int] | None:
     return parsed
 
 
+def _requests(args: argparse.Namespace, batch: int) -> int:
+    """``bench``: a run's requests, ``--requests`` or ``--requests-per-slot`` x its batch."""
+    return args.requests or batch * args.requests_per_slot
+
+
 def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                     batches: list[int], modes: list[str],
                     rates: list[float]) -> Iterator[tuple[dict, str]]:
@@ -493,7 +499,7 @@ def _open_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
     for batch in batches:
         for rate in rates:
             for mode in modes:
-                r = bench.run_open_loop(model, mode, batch, batch * args.requests_per_slot,
+                r = bench.run_open_loop(model, mode, batch, _requests(args, batch),
                                         args.max_new_tokens, rate, mesh=mesh, **generation)
                 row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
                        "step_ms": r.step_ms, "model": str(args.model or args.geometry),
@@ -841,7 +847,12 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--model", type=Path, default=None,
                     help=f"model folder (default: {BUNDLED_MODEL}, unless --geometry)")
     be.add_argument("--batches", default="32", help="comma-separated batch sizes (slots)")
-    be.add_argument("--requests-per-slot", type=int, default=1, help="requests per slot and run")
+    requests = be.add_mutually_exclusive_group()
+    requests.add_argument("--requests-per-slot", type=int, default=1,
+                          help="requests per slot and run (default: 1)")
+    requests.add_argument("--requests", type=int, default=None,
+                          help="requests per run, whatever its batch: the same request set at "
+                               "every batch (default: --requests-per-slot x the batch)")
     be.add_argument("--max-new-tokens", type=int, default=1024, help="generated tokens per request")
     be.add_argument("--modes", default="baseline,delayed,focus", help="comma-separated modes")
     _add_commit_refresh_option(be)

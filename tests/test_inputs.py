@@ -214,6 +214,25 @@ def test_bench_hands_its_kernels_and_ladder_to_every_run(model_dir, capsys, monk
                and k["commit_refresh"] is True for k in seen)
 
 
+def test_bench_requests_give_every_batch_the_same_request_set(model_dir, capsys, monkeypatch):
+    """``--requests N``: N requests at every batch (one request set to compare batches on);
+    without it, ``--requests-per-slot`` x the batch; both at once is refused."""
+    seen = []
+    monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
+    monkeypatch.setattr(bench, "compile_runs", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: seen.append(args[3]) or [])
+    for extra in (["--requests", "6"], ["--requests-per-slot", "3"]):
+        code, _, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1,2", *extra],
+                             capsys)
+        assert code == 0
+    assert seen == [6, 6, 3, 6]
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error
+        main(["bench", "--requests", "6", "--requests-per-slot", "3"])
+    assert refused.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    code, _, err = run_cli(["bench", "--requests", "0"], capsys)
+    one_line_error(code, err, "--requests must be > 0")
+
+
 def test_bench_compile_only_warms_up_and_serves_nothing(model, monkeypatch):
     def no_serving(*args, **kwargs):
         raise AssertionError("--compile-only served requests")
