@@ -49,10 +49,12 @@ def main() -> None:
     def tensor(a) -> torch.Tensor:
         return torch.from_numpy(np.array(a))
 
-    operands = [tensor(a) for a in (q, k, v, np.asarray(layout.first_row, np.int32),
+    operands = [tensor(a) for a in (q, k, v, np.zeros((slots, 1), np.int32),
+                                    np.asarray(layout.first_row, np.int32),
                                     np.asarray(layout.row_count, np.int32), kv_len, [layer])]
-    sizes = dict(SLOTS=slots, POSITIONS=positions, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=d,
-                 BLOCK_M=block_m, BLOCK_N=block_n, SCALE=d ** -0.5, PRECISION="ieee")
+    sizes = dict(PAGED=False, PAGES=slots, PAGE=positions, WIDTH=1, KV_HEADS=kv_heads,
+                 GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, SCALE=d ** -0.5,
+                 PRECISION="ieee")
     tiles = triton.cdiv(block * group, block_m)
     out = torch.zeros((n, heads, d))
     triton_gpu._kernel[(tiles, kv_heads, slots)](*operands, out, **sizes)
