@@ -24,7 +24,13 @@ from focus_jax.cache import PagedCache
 from focus_jax.config import ConfigError, GenerationConfig, ModelConfig, Quantization
 from focus_jax.engine.core import decode_settings
 from focus_jax.engine.params import slot_params_rows
-from focus_jax.engine.runner import default_prefill_batch, prefill_rows, prompt_buckets, slot_positions
+from focus_jax.engine.runner import (
+    default_prefill_batch,
+    default_prefill_chunk,
+    prefill_buckets,
+    prefill_rows,
+    slot_positions,
+)
 from focus_jax.models.weights import abstract_decoder
 from pallas_kernels.dispatch import PLATFORM_DEFAULT
 
@@ -47,12 +53,15 @@ class Target:
     """Cache positions per slot (a multiple of the block size)."""
     generation: GenerationConfig
     prompt_buckets: tuple[int, ...]
-    """Prompt lengths prefill is compiled for (the engine's buckets)."""
+    """Prompt lengths prefill is compiled for (the engine's buckets up to its prefill chunk)."""
     prefill_batch: int
     hbm_bytes: int
     """What a program may use per chip."""
     expert: int = 1
     """The mesh's expert axis (a mixture's experts split over it)."""
+    chunk_buckets: tuple[int, ...] = ()
+    """The ``computed`` lengths of longer prompts' chunks (one row each: the prefill after a
+    cached prefix, :meth:`focus_jax.engine.runner.Runner.prefill`)."""
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -115,13 +124,13 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                           f"batch {slots} and max-len {positions}")
     sharding.check_divisible(cfg, sizes, slots)
     positions = slot_positions(block, positions)
-    buckets = prompt_buckets(block, positions)
     if prompt_lengths is not None:
         too_long = [n for n in prompt_lengths if not 1 <= n <= positions]
         if too_long:
             raise ConfigError(f"prompt lengths {too_long} do not fit a cache of {positions} "
                               f"positions")
-        buckets = tuple(sorted({next(b for b in buckets if b >= n) for n in prompt_lengths}))
+    buckets, chunks = prefill_buckets(block, positions, prompt_lengths,
+                                      default_prefill_chunk(block))
     if prefill_batch is not None and prefill_batch < 1:
         raise ConfigError(f"--prefill-batch must be >= 1, got {prefill_batch}")
     if hbm_gib is not None and hbm_gib <= 0:
@@ -137,7 +146,7 @@ def make_target(cfg: ModelConfig, topology: str, *, slots: int, positions: int,
                   generation.replace(block_size=block), buckets,
                   prefill_batch or default_prefill_batch(slots, "tpu"),
                   round(hbm_gib * tpu.GIB) if hbm_gib else slice_.chip.hbm_bytes,
-                  expert=sizes["expert"])
+                  expert=sizes["expert"], chunk_buckets=chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +230,19 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
             yield ProgramReport(f"prefill {n}x{length}", result,
                                 prefill_flops(target.cfg, n, length, block), target.hbm_bytes,
                                 kept)
+    if target.chunk_buckets:
+        chunked = compilation.prefix_prefill_program("tpu", graphdef, step, target.slots,
+                                                     target.positions, target.pages)
+        one = replicated((1,), jnp.int32)
+        slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype),
+                                   slot_params_rows([], 1))
+    for computed in target.chunk_buckets:
+        result = tpu.compile_program(
+            mesh, chunked, params, state, replicated((1, target.positions + computed), jnp.int32),
+            one, one, one, slot_params, computed=computed)
+        yield ProgramReport(f"prefill chunk 1x{computed}", result,
+                            prefill_flops(target.cfg, 1, computed, block), target.hbm_bytes,
+                            kept)
     if not decode:
         return
     decode_round = compilation.decode_round_program(

@@ -226,10 +226,12 @@ class CompileResult:
         return self.error is not None and "RESOURCE_EXHAUSTED" in self.error
 
 
-def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> CompileResult:
+def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any,
+                    **static: Any) -> CompileResult:
     """Lower ``jitted`` for ``args`` (static values, and abstract inputs on ``mesh``'s devices)
-    and compile it; errors become a one-line message, never an exception. Nothing is written
-    to the persistent compilation cache (:func:`focus_jax.compilation.not_persisted`).
+    and the static keyword arguments ``static``, and compile it; errors become a one-line
+    message, never an exception. Nothing is written to the persistent compilation cache
+    (:func:`focus_jax.compilation.not_persisted`).
 
     Lowering runs under ``mesh``'s abstract mesh: some Pallas TPU lowering rules ask the
     current mesh for the chip generation (the default device here is a CPU).
@@ -238,7 +240,7 @@ def compile_program(mesh: Mesh, jitted: Callable[..., Any], *args: Any) -> Compi
     memory, error = None, None
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compilation.not_persisted():
-            compiled = jitted.lower(*args).compile()
+            compiled = jitted.lower(*args, **static).compile()
         memory = ChipMemory.of(compiled)
     except Exception as err:  # any compiler error is a result to report
         error = one_line(err)

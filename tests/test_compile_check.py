@@ -102,6 +102,17 @@ def test_the_servers_interruptible_round_compiles_for_a_v5e_chip():
 
 
 @needs_libtpu
+def test_a_prompt_longer_than_a_chunk_compiles_as_chunks_for_a_v5e_chip():
+    """A prompt longer than the engine's prefill chunk (1,024 tokens) is prefilled in chunks,
+    each a prefill after a cached prefix: those compile, and no whole prefill of its length."""
+    target = compile_check.make_target(TINY, "v5e:1x1", slots=2, positions=1100,
+                                       prompt_lengths=(1100,), generation=GenerationConfig())
+    reports = list(compile_check.check(target, decode=False))
+    assert [r.name for r in reports] == ["prefill chunk 1x96", "prefill chunk 1x1024"]
+    assert all(r.result.compiled and r.fits for r in reports), [r.result.error for r in reports]
+
+
+@needs_libtpu
 def test_prefill_counts_the_weights_it_does_not_read():
     """jit drops the arguments a program does not read (prefill: the LM head), but they stay in
     HBM: a program's total counts every resident byte. (A vocabulary large enough that the LM
@@ -228,11 +239,10 @@ def test_model_flops_of_a_step_match_what_xla_counts(slots):
 
 
 @pytest.mark.parametrize("slots, positions, prefill_batch", [(12, 30, None), (3, 64, None),
-                                                            (12, 30, 5)])
+                                                            (12, 30, 5), (2, 1100, None)])
 def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, positions,
                                                                     prefill_batch):
     from focus_jax import Engine
-    from focus_jax.engine import prompt_buckets
     from focus_jax.engine.runner import default_prefill_batch
     from focus_jax.testing import tiny_model
 
@@ -248,7 +258,9 @@ def test_the_target_has_the_engines_cache_prefill_batch_and_buckets(slots, posit
     # accelerators' default, the target's.
     assert target.prefill_batch == (prefill_batch or default_prefill_batch(slots, "tpu"))
     assert engine.runner.prefill_batch == (prefill_batch or default_prefill_batch(slots, "cpu"))
-    assert target.prompt_buckets == prompt_buckets(engine.block_size, engine.cache_len)
+    padding, after_prefix = engine.runner._warmup_inputs(None, prefix=False)
+    assert target.prompt_buckets == tuple(sorted({args[0].shape[1] for args in padding}))
+    assert target.chunk_buckets == tuple(static["computed"] for _, static in after_prefix)
 
 
 def test_the_smallest_step_is_every_data_shard_at_its_own_smallest_bucket():

@@ -158,6 +158,44 @@ def test_a_cached_prefix_gives_the_same_tokens_and_only_the_uncached_blocks_are_
     assert pool.held == 0 and pool.available == pool.total and pool.cached >= 3
 
 
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_prompts_longer_than_a_chunk_are_prefilled_alone_in_chunks_with_the_same_tokens(
+        model, kv_cache):
+    """A prompt longer than ``prefill_chunk`` is prefilled alone, a chunk at a time, each chunk
+    attending to those before it (on the paged cache after a cached prefix too): the tokens are
+    those of the whole prefill, no whole prefill is longer than a chunk, and the warm-up
+    (prompt lengths unknown) compiled every program the chunks need."""
+    block, chunk = 4, 8
+    system = random_prompts(1, 128, 3 * block, 3 * block, seed=60)[0]
+    prompts = [system + p for p in random_prompts(4, 128, 1, 5 * block, seed=61)]
+    prompts += [*random_prompts(2, 128, chunk + 1, 7 * block + 2, seed=62),
+                *random_prompts(2, 128, 2, chunk, seed=63)]
+    config = GenerationConfig(mode="focus", block_size=block, threshold=THRESHOLD,
+                              bucket_ladder=LADDER, max_new_tokens=2 * block, stop_token_ids=(),
+                              max_batch=3, max_cache_len=12 * block, kv_cache=kv_cache,
+                              prefix_caching=kv_cache == "paged")
+    want = [r.token_ids for r in generate(model, prompts, config)]
+    engine = Engine(model, config, prefill_chunk=chunk)
+    engine.warmup()
+    whole, chunks = [], []
+    runner = engine.runner
+    run_whole, run_chunk = runner._prefill, runner._prefix_prefill
+    runner._prefill = lambda *args: whole.append(args[2].shape[1]) or run_whole(*args)
+    runner._prefix_prefill = lambda *args, computed: (
+        chunks.append(computed) or run_chunk(*args, computed=computed))
+    with count_compilations() as compiled:
+        first = engine.add_request(prompts[0])
+        engine.step()  # its prompt blocks are cached from now on (paged)
+        ids = [first, *(engine.add_request(p) for p in prompts[1:])]
+        results = run_to_completion(engine)
+    assert [results[i].token_ids for i in ids] == want
+    assert compiled.programs == 0
+    assert whole and max(whole) <= chunk and max(chunks) == chunk
+    assert any(len(p) > chunk for p in prompts) and all(c <= chunk for c in chunks)
+    if kv_cache == "paged":
+        assert engine.stats.cached_prompt_tokens > 0
+
+
 def test_unheld_cached_pages_are_reclaimed_least_recently_released_first_and_held_ones_never():
     from focus_jax.cache.pages import PagePool, block_hashes
 

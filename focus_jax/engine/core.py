@@ -48,11 +48,15 @@ class Engine:
     ``config.max_batch`` and ``config.max_cache_len``, else to the platform's
     (:func:`default_shape`: 4 x 256 on a CPU, 64 x 2048 on GPUs and TPUs). One thread drives
     an engine (:class:`AsyncEngine` runs it on a background thread for servers).
+    ``prefill_chunk``: prompt tokens one prefill runs at most; a longer prompt is prefilled
+    alone, in chunks (default: :func:`~focus_jax.engine.runner.default_prefill_chunk`, 1,024
+    tokens).
     """
 
     def __init__(self, model: Model, config: GenerationConfig, *, slots: int | None = None,
                  cache_len: int | None = None, prefill_batch: int | None = None,
-                 mesh: Mesh | None = None, detokenize: bool = True):
+                 mesh: Mesh | None = None, detokenize: bool = True,
+                 prefill_chunk: int | None = None):
         cfg = model.config
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         slots, cache_len, block = _shape(cfg, config, slots, cache_len, devices[0].platform)
@@ -71,7 +75,8 @@ class Engine:
         self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
                              prefill_batch=prefill_batch or default_prefill_batch(
                                  slots, devices[0].platform),
-                             steps_per_round=config.steps_per_round, mesh=mesh, pages=pages)
+                             steps_per_round=config.steps_per_round, mesh=mesh, pages=pages,
+                             prefill_chunk=prefill_chunk)
         self.model = self.runner.model
         self.scheduler = Scheduler(slots, self.cache_len, block,
                                    pool=None if pages is None else ShardedPool.split(

@@ -62,26 +62,75 @@ def prompt_buckets(block_size: int, positions: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+PREFILL_CHUNK = 1024
+"""Prompt tokens a prefill runs at once, at most (rounded down to the block size times a power
+of two): a longer prompt is prefilled alone, a chunk at a time, each chunk attending to the
+chunks before it in the cache. Prefill attention holds its scores whole (rows x heads x chunk x
+context), so an unbounded prompt's would not fit: 8 prompts of 6,144 tokens at SDAR-8B asked for
+36 GiB."""
+
+
+def default_prefill_chunk(block_size: int) -> int:
+    """The largest ``block_size * 2^k`` not above :data:`PREFILL_CHUNK` (one block at least)."""
+    chunk = block_size
+    while chunk * 2 <= PREFILL_CHUNK:
+        chunk *= 2
+    return chunk
+
+
+def check_prefill_chunk(block_size: int, chunk: int) -> None:
+    """Raise ``ConfigError`` unless ``chunk`` is the block size times a power of two (a prompt
+    bucket: a chunk's rest is then prefilled at a bucket no longer than the chunk)."""
+    if not (chunk >= block_size and chunk % block_size == 0
+            and (chunk // block_size) & (chunk // block_size - 1) == 0):
+        raise ConfigError(f"prefill_chunk must be the block size ({block_size}) times a power "
+                          f"of two, got {chunk}")
+
+
+def chunk_rest(length: int, chunk: int) -> int:
+    """Tokens of the last chunk of a prompt of ``length`` tokens prefilled in chunks of
+    ``chunk``."""
+    return length - (length - 1) // chunk * chunk
+
+
+def prefill_buckets(block_size: int, cache_len: int, prompt_lengths: Sequence[int] | None,
+                    chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The prompt buckets a prompt is prefilled whole at (those up to ``chunk``: every such
+    bucket of ``cache_len``, or those of ``prompt_lengths`` when they are known), and the
+    ``computed`` buckets of the chunks of longer prompts (one row each; none if no prompt can be
+    longer than ``chunk``)."""
+    bucket = functools.partial(prompt_bucket, block_size, cache_len)
+    if prompt_lengths is None:
+        whole = tuple(size for size in prompt_buckets(block_size, cache_len) if size <= chunk)
+        return whole, (whole if cache_len > chunk else ())
+    whole = tuple(sorted({bucket(n) for n in prompt_lengths if n <= chunk}))
+    long = [n for n in prompt_lengths if n > chunk]
+    return whole, tuple(sorted({chunk} | {bucket(chunk_rest(n, chunk)) for n in long}
+                               if long else ()))
+
+
 def warmup_inputs(block_size: int, slots: int, cache_len: int, prefill_batch: int,
-                  prompt_lengths: Sequence[int] | None, prefix: bool
+                  prompt_lengths: Sequence[int] | None, prefix: bool, chunk: int
                   ) -> tuple[list[tuple], list[tuple[tuple, dict]]]:
-    """A warm-up's padding inputs (:meth:`Runner.warmup`): the prefills' (for each of
-    :func:`prefill_rows` and prompt bucket: every bucket of ``cache_len``, or those of
-    ``prompt_lengths`` when they are known), and with ``prefix`` the prefills' after a cached
-    prefix (with their static ``computed``)."""
-    buckets = prompt_buckets(block_size, cache_len)
-    if prompt_lengths is not None:
-        buckets = sorted({prompt_bucket(block_size, cache_len, n) for n in prompt_lengths})
+    """A warm-up's padding inputs (:meth:`Runner.warmup`): the whole prefills' (for each of
+    :func:`prefill_rows` and whole bucket of :func:`prefill_buckets`), and the prefills' after a
+    cached prefix (with their static ``computed``): one row at each chunk bucket, and with
+    ``prefix`` (prefix caching) each of the rows at every bucket up to the longest."""
+    buckets, chunks = prefill_buckets(block_size, cache_len, prompt_lengths, chunk)
     # Rows aimed at slot index `slots` are padding: compiled and run, nothing written.
     rows = prefill_rows(prefill_batch)
     padding = [(np.zeros((n, length), np.int32), np.ones((n,), np.int32),
                 np.full((n,), slots, np.int32), slot_params_rows([], n))
                for n, length in itertools.product(rows, buckets)]
-    after_prefix = [] if not prefix else [
+    after = {(1, rest) for rest in chunks}
+    if prefix and buckets + chunks:
+        after |= set(itertools.product(rows, prompt_buckets(block_size,
+                                                            max(buckets + chunks))))
+    after_prefix = [
         ((np.zeros((n, cache_len + rest), np.int32), np.ones((n,), np.int32),
           np.zeros((n,), np.int32), np.full((n,), slots, np.int32),
           slot_params_rows([], n)), {"computed": rest})
-        for n, rest in itertools.product(rows, prompt_buckets(block_size, max(buckets)))]
+        for n, rest in sorted(after)]
     return padding, after_prefix
 
 
@@ -104,10 +153,13 @@ class Runner:
 
     def __init__(self, model: Model, settings: decoding.DecodeSettings, *, slots: int,
                  cache_len: int, prefill_batch: int, steps_per_round: int,
-                 mesh: Mesh | None = None, pages: int | None = None):
+                 mesh: Mesh | None = None, pages: int | None = None,
+                 prefill_chunk: int | None = None):
         cfg = model.config
         self.settings, self.slots, self.cache_len = settings, slots, cache_len
         self.prefill_batch, self.steps_per_round = prefill_batch, steps_per_round
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(settings.block_size)
+        check_prefill_chunk(settings.block_size, self.prefill_chunk)
         self.pages = pages
         self.abstract = is_abstract(model.params)
         """Whether the weights are shapes only (``bench --compile-only``): the state is then
@@ -150,14 +202,40 @@ class Runner:
         return prompt_bucket(self.settings.block_size, self.cache_len, length)
 
     def prefill(self, batch: Sequence[Request]) -> None:
-        """Start the requests of ``batch`` (at most ``prefill_batch``) in their slots. Up to half
-        a prefill batch goes one request at a time: a padded batch computes its padding rows
-        too, so one request admitted into a busy engine would cost a whole batch's prefill."""
+        """Start the requests of ``batch`` (at most ``prefill_batch``) in their slots. One whose
+        uncached prompt is longer than ``prefill_chunk`` goes alone, a chunk at a time. Up to
+        half a prefill batch goes one request at a time: a padded batch computes its padding
+        rows too, so one request admitted into a busy engine would cost a whole batch's
+        prefill."""
+        b = self.settings.block_size
+        long = [r for r in batch if len(r.prompt) - r.cached_blocks * b > self.prefill_chunk]
+        for request in long:
+            self._prefill_chunks(request)
+        batch = [r for r in batch if all(r is not other for other in long)]
         if len(batch) * 2 <= self.prefill_batch:
             for request in batch:
                 self._prefill_rows([request], 1)
-        else:
+        elif batch:
             self._prefill_rows(batch, self.prefill_batch)
+
+    def _prefill_chunks(self, request: Request) -> None:
+        """Prefill one request's uncached prompt in chunks of ``prefill_chunk`` tokens: each a
+        prefill after a cached prefix (the chunks before it). Every call sets the slot's state
+        as the whole prefill would; the last one writes the tail block."""
+        n, chunk = len(request.prompt), self.prefill_chunk
+        start = request.cached_blocks * self.settings.block_size
+        while True:
+            computed = chunk if n - start > chunk else self.prompt_bucket(n - start)
+            tokens = np.full((1, self.cache_len + computed), self.settings.mask_token_id,
+                             np.int32)
+            tokens[0, :n] = request.prompt
+            self.state = self._prefix_prefill(
+                self.model.params, self.state, tokens, np.array([n], np.int32),
+                np.array([start], np.int32), np.array([request.slot], np.int32),
+                slot_params_rows([request.params], 1), computed=computed)
+            if n - start <= chunk:
+                return
+            start += chunk
 
     def _prefill_rows(self, batch: Sequence[Request], n: int) -> None:
         """Prefill ``batch`` as ``n`` rows. Where a request shares cached prompt blocks
@@ -233,10 +311,11 @@ class Runner:
     def warmup(self, prompt_lengths: Sequence[int] | None = None, run: bool = True,
                prefix: bool = False) -> None:
         """Compile every program a run can need: the decode round (with all its bucket branches),
-        release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket (or
-        at the buckets of ``prompt_lengths`` when they are known); with ``prefix`` (prefix
-        caching) also the prefill after a cached prefix, for each rows and every bucket up to
-        those. Runs them on padding only: nothing changes. ``run=False``: compile the round and
+        release, and prefill for each of :func:`prefill_rows` at every prompt-length bucket up
+        to ``prefill_chunk`` (or at the buckets of ``prompt_lengths`` when they are known), and
+        the prefill after a cached prefix for the chunks of longer prompts; with ``prefix``
+        (prefix caching) for each rows and every bucket up to those (:func:`warmup_inputs`).
+        Runs them on padding only: nothing changes. ``run=False``: compile the round and
         the prefills ahead of time and run nothing (no temporaries allocated: filling a
         compilation cache).
 
@@ -270,7 +349,7 @@ class Runner:
 
     def _warmup_inputs(self, prompt_lengths: Sequence[int] | None, prefix: bool) -> tuple:
         return warmup_inputs(self.settings.block_size, self.slots, self.cache_len,
-                             self.prefill_batch, prompt_lengths, prefix)
+                             self.prefill_batch, prompt_lengths, prefix, self.prefill_chunk)
 
     def _programs(self, padding: list[tuple], after_prefix: list[tuple[tuple, dict]]
                   ) -> list[tuple]:
