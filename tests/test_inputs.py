@@ -185,6 +185,7 @@ def test_bad_options_are_one_line_errors_before_any_model_loads(argv, needles, c
 
 def test_bench_prints_a_small_peak_in_significant_digits(model_dir, capsys, monkeypatch):
     monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)  # a CPU's: 0.042 TFLOP/s
+    monkeypatch.setattr(bench, "compile_runs", lambda *args, **kwargs: 0.0)  # runs none
     monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])
     code, out, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1"], capsys)
     assert code == 0 and "measured bf16 peak 0.042 TFLOP/s" in out
@@ -204,14 +205,17 @@ def test_an_engine_refuses_kernels_its_devices_cannot_run(model, kernels, messag
 
 
 def test_bench_hands_its_kernels_and_ladder_to_every_run(model_dir, capsys, monkeypatch):
-    seen = []
+    seen, compiled = [], []
     monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
+    monkeypatch.setattr(bench, "compile_runs",
+                        lambda *args, **kwargs: compiled.append(kwargs) or 0.0)
     monkeypatch.setattr(bench, "run", lambda *args, **kwargs: seen.append(kwargs) or [])
     code, _, _ = run_cli(["bench", "--model", str(model_dir), "--batches", "1,2", "--kernels",
                           "xla", "--bucket-ladder", "0.5,1", "--commit-refresh"], capsys)
     assert code == 0 and len(seen) == 2
+    assert len(compiled) == 1  # the runs' programs compiled first, with the same settings
     assert all(k["kernels"] == "xla" and k["bucket_ladder"] == (0.5, 1.0)
-               and k["commit_refresh"] is True for k in seen)
+               and k["commit_refresh"] is True for k in seen + compiled)
 
 
 def test_bench_requests_give_every_batch_the_same_request_set(model_dir, capsys, monkeypatch):
