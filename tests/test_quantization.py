@@ -157,9 +157,11 @@ def test_8_bit_experts_split_over_a_mesh_give_the_single_device_logits():
 def test_bench_runs_the_model_it_was_asked_to_quantize(capsys, monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "measured_bf16_peak", lambda: 4.2e10)
+    monkeypatch.setattr(bench, "compile_runs",
+                        lambda model, *args, **kwargs: seen.append(model) or 0.0)
     monkeypatch.setattr(bench, "run", lambda model, *args, **kwargs: seen.append(model) or [])
     assert main(["bench", "--batches", "1", "--quantize", "fp8"]) == 0  # the bundled model
-    [model] = seen
-    assert model.config.quantization == Quantization("fp8")
+    compiled, model = seen  # the same quantized model compiled for, then run
+    assert compiled is model and model.config.quantization == Quantization("fp8")
     assert {var.get_value().dtype for _, var in nnx.to_flat_state(model.params)} >= {
         jnp.dtype(jnp.float8_e4m3fn)}
