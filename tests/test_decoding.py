@@ -191,6 +191,25 @@ def test_prompt_buckets_pad_by_at_most_half_beyond_two_blocks(block, positions):
         assert padded < 1.5 * n if n > 2 * block else padded <= 2 * block, (n, padded)
 
 
+def test_prefill_programs_stop_at_the_chunk_and_cover_every_chunk_of_longer_prompts():
+    """Known prompt lengths: whole prefills at the buckets of those up to the chunk; a longer
+    prompt runs whole chunks and then its rest, at the rest's bucket. Unknown lengths: every
+    bucket up to the chunk, for whole prefills and chunks alike (none of the latter when the
+    cache is no longer than a chunk). A chunk must be the block size times a power of two."""
+    from focus_jax.config import ConfigError
+    from focus_jax.engine.runner import check_prefill_chunk, chunk_rest, prefill_buckets
+
+    assert [chunk_rest(n, 8) for n in (8, 9, 16, 17, 30)] == [8, 1, 8, 1, 6]
+    # 30 tokens: chunks of 8, 8, 8, then 6 (bucket 8); 9 and 17: a last chunk of 1 (bucket 4).
+    assert prefill_buckets(4, 48, [3, 7, 9, 17, 30], 8) == ((4, 8), (4, 8))
+    assert prefill_buckets(4, 48, [3, 30], 16) == ((4,), (16,))  # 30 = 16 + 14 (bucket 16)
+    assert prefill_buckets(4, 48, None, 8) == ((4, 8), (4, 8))
+    assert prefill_buckets(4, 8, None, 8) == ((4, 8), ())
+    for chunk in (6, 12, 2):
+        with pytest.raises(ConfigError, match=r"block size \(4\) times a power of two"):
+            check_prefill_chunk(4, chunk)
+
+
 def test_prefill_batches_prompts_of_similar_length_and_keeps_each_result(model):
     """Requests admitted together are prefilled shortest first, each batch padded to the
     bucket (``engine.prompt_buckets``) over its own longest prompt; results still belong to their
