@@ -230,16 +230,15 @@ def check(target: Target, decode: bool = True) -> Iterator[ProgramReport]:
             yield ProgramReport(f"prefill {n}x{length}", result,
                                 prefill_flops(target.cfg, n, length, block), target.hbm_bytes,
                                 kept)
-    if target.chunk_buckets:
-        chunked = compilation.prefix_prefill_program("tpu", graphdef, step, target.slots,
-                                                     target.positions, target.pages)
-        one = replicated((1,), jnp.int32)
-        slot_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype),
-                                   slot_params_rows([], 1))
+    # A longer prompt's chunks: one row each, after the chunks before it in the cache.
+    chunked = compilation.prefix_prefill_program("tpu", graphdef, step, target.slots,
+                                                 target.positions, target.pages)
+    one = replicated((1,), jnp.int32)
+    one_params = jax.tree.map(lambda a: replicated(a.shape, a.dtype), slot_params_rows([], 1))
     for computed in target.chunk_buckets:
         result = tpu.compile_program(
             mesh, chunked, params, state, replicated((1, target.positions + computed), jnp.int32),
-            one, one, one, slot_params, computed=computed)
+            one, one, one, one_params, computed=computed)
         yield ProgramReport(f"prefill chunk 1x{computed}", result,
                             prefill_flops(target.cfg, 1, computed, block), target.hbm_bytes,
                             kept)

@@ -48,9 +48,8 @@ class Engine:
     ``config.max_batch`` and ``config.max_cache_len``, else to the platform's
     (:func:`default_shape`: 4 x 256 on a CPU, 64 x 2048 on GPUs and TPUs). One thread drives
     an engine (:class:`AsyncEngine` runs it on a background thread for servers).
-    ``prefill_chunk``: prompt tokens one prefill runs at most; a longer prompt is prefilled
-    alone, in chunks (default: :func:`~focus_jax.engine.runner.default_prefill_chunk`, 1,024
-    tokens).
+    ``prefill_chunk``: prompt tokens one prefill runs at most, a longer prompt going alone in
+    chunks (default: :func:`~focus_jax.engine.runner.default_prefill_chunk`, 1,024 tokens).
     """
 
     def __init__(self, model: Model, config: GenerationConfig, *, slots: int | None = None,
@@ -70,14 +69,9 @@ class Engine:
             sharding.check_divisible(cfg, mesh, slots)
         self.settings = decode_settings(config.replace(block_size=block), model.mask_token_id,
                                         slots, devices[0].platform, mesh)
-        pages = (pool_pages(model, config, block, slots, self.cache_len, devices, mesh)
-                 if config.kv_cache == "paged" else None)
-        self.runner = Runner(model, self.settings, slots=slots, cache_len=self.cache_len,
-                             prefill_batch=prefill_batch or default_prefill_batch(
-                                 slots, devices[0].platform),
-                             steps_per_round=config.steps_per_round, mesh=mesh, pages=pages,
-                             prefill_chunk=prefill_chunk)
-        self.model = self.runner.model
+        self.runner = _runner(model, config, self.settings, slots, self.cache_len, mesh,
+                              prefill_batch, prefill_chunk)
+        self.model, pages = self.runner.model, self.runner.pages
         self.scheduler = Scheduler(slots, self.cache_len, block,
                                    pool=None if pages is None else ShardedPool.split(
                                        pages, mesh.shape["data"] if mesh is not None else 1),
@@ -293,6 +287,21 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
                                    policies=policies, processed_ladder=ladder,
                                    retained_ladder=ladder, kernels=config.kernels, mesh=mesh,
                                    interruptible=config.interruptible_rounds)
+
+
+def _runner(model: Model, config: GenerationConfig, settings: decoding.DecodeSettings,
+            slots: int, cache_len: int, mesh: Mesh | None, prefill_batch: int | None,
+            prefill_chunk: int | None) -> Runner:
+    """An engine's runner: its KV cache's pool sized (paged) and its prefill batch defaulted for
+    the devices' platform."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    pages = (pool_pages(model, config, settings.block_size, slots, cache_len, devices, mesh)
+             if config.kv_cache == "paged" else None)
+    return Runner(model, settings, slots=slots, cache_len=cache_len,
+                  prefill_batch=prefill_batch or default_prefill_batch(slots,
+                                                                       devices[0].platform),
+                  steps_per_round=config.steps_per_round, mesh=mesh, pages=pages,
+                  prefill_chunk=prefill_chunk)
 
 
 def _shape(cfg: ModelConfig, config: GenerationConfig, slots: int | None,

@@ -155,7 +155,6 @@ class Runner:
                  cache_len: int, prefill_batch: int, steps_per_round: int,
                  mesh: Mesh | None = None, pages: int | None = None,
                  prefill_chunk: int | None = None):
-        cfg = model.config
         self.settings, self.slots, self.cache_len = settings, slots, cache_len
         self.prefill_batch, self.steps_per_round = prefill_batch, steps_per_round
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(settings.block_size)
@@ -166,32 +165,16 @@ class Runner:
         shapes too, and the runner can compile its programs but run nothing."""
         if self.abstract and mesh is not None:
             raise ConfigError("a model of weight shapes only compiles for one device, not a mesh")
-        make_state = functools.partial(decoding.init_state, cfg, slots, cache_len,
-                                       settings.block_size, settings.mask_token_id, pages)
-        shapes = jax.eval_shape(make_state)
-        devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-        if not self.abstract:  # shapes hold nothing: the engine that runs them checks
-            check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
-        if mesh is not None:
-            # Slots (and the cache) over "data", heads and MLP over "model": each data shard
-            # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
-            model = dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
-            placed = sharding.state_sharding(shapes, mesh)
-        else:
-            placed = SingleDeviceSharding(devices[0])
-        init = compilation.PROGRAMS.get(
-            ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, pages,
-             placed),
-            lambda: jax.jit(make_state, out_shardings=placed))
-        self.state = init.eval_shape() if self.abstract else init()
-        self.model = model
-        platform = devices[0].platform
-        self._prefill = compilation.prefill_program(platform, model.graphdef, settings, slots,
+        self.model, self.state = placed_state(model, settings, slots, cache_len, pages, mesh,
+                                              self.abstract)
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+        graphdef = model.graphdef
+        self._prefill = compilation.prefill_program(platform, graphdef, settings, slots,
                                                     cache_len, pages)
-        self._round = compilation.decode_round_program(platform, model.graphdef, settings,
+        self._round = compilation.decode_round_program(platform, graphdef, settings,
                                                        steps_per_round, slots, cache_len, pages)
         self._prefix_prefill = compilation.prefix_prefill_program(
-            platform, model.graphdef, settings, slots, cache_len, pages)
+            platform, graphdef, settings, slots, cache_len, pages)
         self._release = compilation.release_program
         self.interrupt = interrupts.Interrupt()
         """Ends a running round after its current step when set (read by interruptible rounds
@@ -207,59 +190,59 @@ class Runner:
         half a prefill batch goes one request at a time: a padded batch computes its padding
         rows too, so one request admitted into a busy engine would cost a whole batch's
         prefill."""
-        b = self.settings.block_size
-        long = [r for r in batch if len(r.prompt) - r.cached_blocks * b > self.prefill_chunk]
-        for request in long:
+        def chunked(request: Request) -> bool:
+            return len(request.prompt) - self._cached(request) > self.prefill_chunk
+
+        for request in filter(chunked, batch):
             self._prefill_chunks(request)
-        batch = [r for r in batch if all(r is not other for other in long)]
+        batch = [r for r in batch if not chunked(r)]
         if len(batch) * 2 <= self.prefill_batch:
             for request in batch:
                 self._prefill_rows([request], 1)
         elif batch:
             self._prefill_rows(batch, self.prefill_batch)
 
+    def _cached(self, request: Request) -> int:
+        """Leading prompt positions whose KV the request's slot already holds."""
+        return request.cached_blocks * self.settings.block_size
+
     def _prefill_chunks(self, request: Request) -> None:
-        """Prefill one request's uncached prompt in chunks of ``prefill_chunk`` tokens: each a
+        """Prefill one request's uncached prompt in chunks of ``prefill_chunk`` tokens, each a
         prefill after a cached prefix (the chunks before it). Every call sets the slot's state
         as the whole prefill would; the last one writes the tail block."""
-        n, chunk = len(request.prompt), self.prefill_chunk
-        start = request.cached_blocks * self.settings.block_size
-        while True:
-            computed = chunk if n - start > chunk else self.prompt_bucket(n - start)
-            tokens = np.full((1, self.cache_len + computed), self.settings.mask_token_id,
-                             np.int32)
-            tokens[0, :n] = request.prompt
-            self.state = self._prefix_prefill(
-                self.model.params, self.state, tokens, np.array([n], np.int32),
-                np.array([start], np.int32), np.array([request.slot], np.int32),
-                slot_params_rows([request.params], 1), computed=computed)
-            if n - start <= chunk:
-                return
-            start += chunk
+        n, start = len(request.prompt), self._cached(request)
+        while n - start > self.prefill_chunk:
+            self._prefill_rows([request], 1, start, self.prefill_chunk)
+            start += self.prefill_chunk
+        self._prefill_rows([request], 1, start, self.prompt_bucket(n - start))
 
-    def _prefill_rows(self, batch: Sequence[Request], n: int) -> None:
+    def _prefill_rows(self, batch: Sequence[Request], n: int, start: int | None = None,
+                      computed: int | None = None) -> None:
         """Prefill ``batch`` as ``n`` rows. Where a request shares cached prompt blocks
         (``Request.cached_blocks``) only the positions after them are run: each row from its
         own start, over the bucket of the longest such rest, reading its slot's cached
         positions (the whole cache width: one program per rows and rest bucket, compiled by the
-        warm-up)."""
-        starts = [r.cached_blocks * self.settings.block_size for r in batch]
-        if any(starts):
-            computed = self.prompt_bucket(max(len(r.prompt) - s
-                                              for r, s in zip(batch, starts, strict=True)))
+        warm-up). ``start`` and ``computed``: one request's chunk, its positions ``[start,
+        start + computed)`` run after the cache's (:meth:`_prefill_chunks`)."""
+        starts = [self._cached(r) if start is None else start for r in batch]
+        after_prefix = computed is not None or any(starts)
+        if after_prefix:
+            computed = computed or self.prompt_bucket(
+                max(len(r.prompt) - s for r, s in zip(batch, starts, strict=True)))
             width = self.cache_len + computed
         else:
             width = self.prompt_bucket(max(len(r.prompt) for r in batch))
         tokens = np.full((n, width), self.settings.mask_token_id, np.int32)
-        lengths, start = np.ones((n,), np.int32), np.zeros((n,), np.int32)
+        lengths, start_ids = np.ones((n,), np.int32), np.zeros((n,), np.int32)
         slot_ids = np.full((n,), self.slots, np.int32)  # padding rows: out of range, dropped
         for row, request in enumerate(batch):
             tokens[row, :len(request.prompt)] = request.prompt
-            lengths[row], slot_ids[row], start[row] = len(request.prompt), request.slot, starts[row]
+            lengths[row], slot_ids[row] = len(request.prompt), request.slot
+            start_ids[row] = starts[row]
         params = slot_params_rows([r.params for r in batch], n)
-        if any(starts):
+        if after_prefix:
             self.state = self._prefix_prefill(self.model.params, self.state, tokens, lengths,
-                                              start, slot_ids, params, computed=computed)
+                                              start_ids, slot_ids, params, computed=computed)
         else:
             self._run_prefill(tokens, lengths, slot_ids, params)
 
@@ -358,6 +341,33 @@ class Runner:
                    for args in padding]
                 + [(self._prefix_prefill, (self.model.params, self.state, *args), static)
                    for args, static in after_prefix])
+
+
+def placed_state(model: Model, settings: decoding.DecodeSettings, slots: int, cache_len: int,
+                 pages: int | None, mesh: Mesh | None, abstract: bool
+                 ) -> tuple[Model, decoding.DecodeState]:
+    """The model as the runner holds it (sharded over ``mesh``) and its decode state, allocated
+    already placed (shapes only when the weights are ``abstract``); checks that weights and
+    state fit the devices first."""
+    cfg = model.config
+    make_state = functools.partial(decoding.init_state, cfg, slots, cache_len,
+                                   settings.block_size, settings.mask_token_id, pages)
+    shapes = jax.eval_shape(make_state)
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    if not abstract:  # shapes hold nothing: the engine that runs them checks
+        check_memory_fits(model.params, shapes, devices, mesh, slots, cache_len)
+    if mesh is not None:
+        # Slots (and the cache) over "data", heads and MLP over "model": each data shard
+        # steps its own slots (decoding.step), JAX's SPMD partitioner splits the rest.
+        model = dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
+        placed = sharding.state_sharding(shapes, mesh)
+    else:
+        placed = SingleDeviceSharding(devices[0])
+    init = compilation.PROGRAMS.get(
+        ("state", cfg, slots, cache_len, settings.block_size, settings.mask_token_id, pages,
+         placed),
+        lambda: jax.jit(make_state, out_shardings=placed))
+    return model, init.eval_shape() if abstract else init()
 
 
 def is_abstract(params: nnx.State) -> bool:
