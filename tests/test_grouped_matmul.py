@@ -207,3 +207,59 @@ def test_tokamax_autotuning_misses_are_not_shown(caplog):
         logging.getLogger("absl").warning("Autotuning cache miss for PallasMosaicGpuRaggedDot")
         logging.getLogger("absl").warning("something else")
     assert [r.getMessage() for r in caplog.records] == ["something else"]
+
+
+def test_tuned_config_is_that_of_the_nearest_tuned_row_count(tmp_path, monkeypatch):
+    table = {"shapes": {"2048x1536x128": [
+        {"rows": 4096, "config": {"block_m": 64}}, {"rows": 65536, "config": {"block_m": 128}}]}}
+    (tmp_path / "some_gpu_x.json").write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(tokamax_mosaic, "TUNED", tmp_path)
+    tokamax_mosaic.tuned_table.cache_clear()
+    try:
+        pick = lambda rows: tokamax_mosaic.tuned_config("Some GPU X", rows, 2048, 1536, 128)
+        assert pick(8) == {"block_m": 64}
+        assert pick(16000) == {"block_m": 64}        # nearer 4,096 than 65,536 by ratio
+        assert pick(17000) == {"block_m": 128}
+        assert pick(10**6) == {"block_m": 128}
+        assert tokamax_mosaic.tuned_config("Some GPU X", 4096, 2048, 1536, 64) is None
+        assert tokamax_mosaic.tuned_config("Another GPU", 4096, 2048, 1536, 128) is None
+    finally:
+        tokamax_mosaic.tuned_table.cache_clear()
+
+
+@pytest.mark.skipif(not tokamax_mosaic.installed(), reason="tokamax is not installed")
+def test_every_shipped_tuned_config_is_a_valid_tokamax_config():
+    tables = sorted(tokamax_mosaic.TUNED.glob("*.json"))
+    for path in tables:
+        for shape, entries in __import__("json").loads(path.read_text())["shapes"].items():
+            k, n, groups = map(int, shape.split("x"))
+            assert k % 64 == 0 and n % 64 == 0 and groups > 0, (path.name, shape)
+            for entry in entries:
+                assert entry["tflops"] > entry["heuristic_tflops"], (path.name, shape, entry)
+                assert tokamax_mosaic.op(entry["config"]).config.block_m == entry["config"]["block_m"]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_tuned_configs_of_this_gpu_match_reference():
+    """Every config tuned for this GPU kind, at its shape, on 512 rows routed at random with
+    padding rows: the reference's values, zeros past the groups."""
+    import tokamax
+
+    shapes = tokamax_mosaic.tuned_table(jax.devices()[0].device_kind)
+    if not shapes:
+        pytest.skip(f"no tuned configs for {jax.devices()[0].device_kind}")
+    rng = np.random.default_rng(0)
+    for shape, entries in shapes.items():
+        k, n, groups = map(int, shape.split("x"))
+        sizes = np.bincount(rng.integers(0, groups, size=448), minlength=groups)
+        lhs, rhs, group_sizes = inputs(512, k, n, list(sizes), jnp.bfloat16, seed=k + n)
+        want = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        for entry in entries:
+            impl = [tokamax_mosaic.op(entry["config"])]
+            with tokamax_mosaic._one_pass(jnp.bfloat16):
+                got = jax.jit(lambda a, b, c, impl=impl: tokamax.ragged_dot(
+                    a, b, c, preferred_element_type=jnp.float32, implementation=impl))(
+                    lhs, rhs, group_sizes)
+            np.testing.assert_allclose(np.asarray(got)[:448], np.asarray(want)[:448], rtol=1e-3,
+                                       atol=1e-3, err_msg=f"{shape} {entry['config']}")

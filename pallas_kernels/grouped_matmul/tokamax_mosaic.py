@@ -18,6 +18,12 @@ GMM v2 zeros them only with ``zero_initialize``, in DMAs of its own. The output 
 instead (one elementwise select, which XLA can fuse into the consumer), so padding rows are
 zeros, as in the reference.
 
+On the GPU, a tile config tuned on that GPU at our expert shapes is used where the table of
+``tuned/<device kind>.json`` has the shape (``scripts/tune_grouped_matmul.py`` measures and writes
+it; the config of the nearest tuned row count); elsewhere tokamax's own choice (on Hopper a
+heuristic: 64 x 64 tiles, two stages; tokamax 0.0.17 ships tuned configs for other GPUs and
+shapes only).
+
 Never tokamax's Triton implementation: it fails with jax-triton 0.3.1. tokamax is imported on
 first use, not with this module: it imports xprof, qwix and flax at import time.
 """
@@ -27,7 +33,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import logging
+import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +57,11 @@ GPU_TILE = 64
 rows (64 bf16 elements): on the H200 ``k = 96`` and ``k = 200`` fail to lower, and so does
 ``n = 48`` with a float32 output. ``k`` and ``n`` must be multiples of 64 (every expert
 projection is)."""
+
+
+TUNED = Path(__file__).parent / "tuned"
+"""One JSON table per GPU kind (``device_kind`` lower-cased, spaces as ``_``): per expert shape
+``"{k}x{n}x{groups}"``, the fastest measured config at each tuned row count."""
 
 
 @functools.cache
@@ -123,6 +137,43 @@ def _one_pass(dtype: jnp.dtype) -> contextlib.AbstractContextManager:
     return jax.default_matmul_precision("default")
 
 
+@functools.cache
+def tuned_table(device_kind: str) -> dict[str, list[dict]]:
+    """The tuned configs of one GPU kind (empty where none were measured)."""
+    path = TUNED / f"{device_kind.lower().replace(' ', '_')}.json"
+    return json.loads(path.read_text())["shapes"] if path.exists() else {}
+
+
+def tuned_config(device_kind: str, rows: int, k: int, n: int, groups: int) -> dict | None:
+    """The tuned config (tokamax ``Config`` fields) for ``rows x k`` times ``[groups, k, n]``
+    on this GPU kind: that of the tuned row count nearest ``rows`` (by ratio); None where the
+    shape was not tuned there."""
+    entries = tuned_table(device_kind).get(f"{k}x{n}x{groups}")
+    if not entries:
+        return None
+    return min(entries, key=lambda e: abs(math.log(e["rows"] / max(rows, 1))))["config"]
+
+
+def op(config: dict):
+    """tokamax's Mosaic GPU ragged-dot op with a fixed tile config (its ``Config`` fields).
+    Imported from tokamax's own module: ``tokamax.ops.gpu``, which re-exports it, also imports
+    its Triton ops and with them jax-triton."""
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
+
+    return PallasMosaicGpuRaggedDot(config=Config(**config))
+
+
+def _implementation(lhs: Array, rhs: Array | qwix.QArray, platform: str):
+    """The tuned op where this GPU and shape were tuned (plain 16-bit weights), else the name
+    of tokamax's implementation for the platform."""
+    if platform == "gpu" and not isinstance(rhs, qwix.QArray):
+        groups, k, n = rhs.shape
+        config = tuned_config(jax.devices("gpu")[0].device_kind, lhs.shape[0], k, n, groups)
+        if config is not None:
+            return [op(config)]
+    return KERNEL[platform]
+
+
 def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.QArray,
                    group_sizes: Int[Array, "g"], *, platform: str,
                    preferred_element_type: jnp.dtype | None = None) -> Float[Array, "m n"]:
@@ -138,5 +189,5 @@ def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.Q
     lhs = jnp.pad(lhs, ((0, padded), (0, 0))) if padded else lhs
     with _one_pass(lhs.dtype):
         out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-                                 implementation=KERNEL[platform])
+                                 implementation=_implementation(lhs, rhs, platform))
     return jnp.where(valid_rows(group_sizes, rows + padded)[:, None], out, 0)[:rows]
