@@ -230,6 +230,8 @@ def test_tuned_config_is_that_of_the_nearest_tuned_row_count(tmp_path, monkeypat
 @pytest.mark.skipif(not tokamax_mosaic.installed(), reason="tokamax is not installed")
 def test_every_shipped_tuned_config_is_a_valid_tokamax_config():
     tables = sorted(tokamax_mosaic.TUNED.glob("*.json"))
+    if not tables:
+        pytest.skip("no tuned tables shipped yet")
     for path in tables:
         for shape, entries in __import__("json").loads(path.read_text())["shapes"].items():
             k, n, groups = map(int, shape.split("x"))
