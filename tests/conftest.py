@@ -7,10 +7,6 @@ import os
 # libtpu, whose lock file would refuse a second process using it at the same time.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# Tiny models run for microseconds and compile for seconds: XLA's cheap compile (no backend
-# optimisation, no expensive LLVM passes) cut tests/test_decoding.py's CPU time from a cold cache
-# by 31% (docs/startup.md, "The test suite"). Subprocesses of the tests inherit it.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
 import pytest
