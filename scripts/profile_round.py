@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import re
@@ -23,7 +24,7 @@ import jax
 from jax._src.profiler import ProfileData
 
 import focus_jax
-from focus_jax import bench
+from focus_jax import bench, compilation
 from focus_jax.config import GenerationConfig
 from focus_jax.engine import Engine, run_to_completion
 
@@ -105,11 +106,23 @@ def main() -> None:
     if args.kernels:
         extra["kernels"] = args.kernels
     out = Path(args.out)
-    for mode in args.modes.split(","):
-        config = GenerationConfig(mode=mode, block_size=model.config.block_size or 32,
-                                  max_new_tokens=args.max_new_tokens, stop_token_ids=(), **extra)
-        engine = Engine(model, config, slots=args.batch,
-                        cache_len=max(lengths) + args.max_new_tokens)
+    cache_len = max(lengths) + args.max_new_tokens
+    configs = {mode: GenerationConfig(mode=mode, block_size=model.config.block_size or 32,
+                                      max_new_tokens=args.max_new_tokens, stop_token_ids=(),
+                                      **extra)
+               for mode in args.modes.split(",")}
+    # Every mode's programs are compiled first, for the weights' shapes, before any engine
+    # holds its cache: at SDAR-30B-A3B on the H200 the weights and one engine's cache leave too
+    # little memory for XLA's GEMM autotuning (seen: out of memory while compiling).
+    shapes = dataclasses.replace(model, params=jax.tree.map(compilation.shape_of, model.params))
+    compilation.PROGRAMS.capacity = max(compilation.PROGRAMS.capacity, 4 * len(configs))
+    programs = []
+    for config in configs.values():
+        programs += Engine(shapes, config, slots=args.batch, cache_len=cache_len,
+                           detokenize=False).runner.programs(lengths)
+    compilation.compile_together(programs)
+    for mode, config in configs.items():
+        engine = Engine(model, config, slots=args.batch, cache_len=cache_len)
         engine.warmup(prompt_lengths=lengths)
         for prompt in prompts:  # a first, untraced pass
             engine.add_request(prompt)
@@ -123,8 +136,11 @@ def main() -> None:
         wall = time.perf_counter() - start
         steps = engine.stats.steps - steps_before
         totals, span = device_time_per_op(trace_dir)
-        compiled = engine.lower_round().compile()
-        sources = op_sources(compiled.as_text())
+        try:  # a persistent-cache hit (the cache folder above); if not, ops print unnamed
+            sources = op_sources(engine.lower_round().compile().as_text())
+        except jax.errors.JaxRuntimeError as err:
+            print(f"no HLO text for the op sources: {str(err).splitlines()[0]}")
+            sources = {}
         busy = sum(t for t, _ in totals.values())
         # Device launches per step: a captured CUDA command buffer counts once, however many
         # kernels it holds (ops named command_buffer_*).
@@ -144,6 +160,7 @@ def main() -> None:
                    "ops": [{"op": n, "ms": ms, "count": c, "source": sources.get(n, "")}
                            for n, (ms, c) in rows]}
         (out / f"summary_{mode}.json").write_text(json.dumps(summary, indent=1))
+        del engine  # its cache, before the next mode's
 
 
 if __name__ == "__main__":

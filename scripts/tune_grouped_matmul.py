@@ -24,6 +24,7 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,7 @@ def main() -> None:
             for projection in projections(model):
                 tune_case(model, projection, rows, args, emit)
                 if args.table:
+                    Path(args.table).parent.mkdir(parents=True, exist_ok=True)
                     tuned = {"device_kind": result["device"], "tokamax": "0.0.17",
                              "date": result["date"], "shapes": table(result["rows"])}
                     with open(args.table, "w") as f:
