@@ -223,26 +223,33 @@ def compile_runs(model: Model, modes: Sequence[str], batches: Sequence[int],
     (no device memory beyond the weights already held). The runs then compile nothing: one
     process's compiles overlap, and each run's timing is its own. The seconds it took."""
     start = time.perf_counter()
-    shapes = dataclasses.replace(model, params=jax.tree.map(compilation.shape_of, model.params))
-    # Each engine keeps at most four jitted programs (its state's, the round, two prefills):
-    # all must stay for the runs, which then find them compiled.
-    runs = len(batches) * len(modes)
-    compilation.PROGRAMS.capacity = max(compilation.PROGRAMS.capacity, 4 * runs)
-    rounds, prefills = [], []
+    engines = []
     for batch in batches:
         configs, prompts, cache_len = _plan(model, modes, batch,
                                             requests or batch * requests_per_slot,
                                             max_new_tokens, seed, block_size, long_prompts,
                                             max_model_len, generation)
-        for config in configs:
-            engine = Engine(shapes, config, slots=batch, cache_len=cache_len, detokenize=False)
-            first, *rest = engine.runner.programs([len(p) for p in prompts],
-                                                  prefix=config.prefix_caching)
-            rounds.append(first)  # the longest compiles first
-            prefills += rest
-    compilation.compile_together(rounds + prefills,
-                                 workers or max(1, min(12, compilation.CORES // 2)))
+        engines += [(config, batch, cache_len, [len(p) for p in prompts]) for config in configs]
+    compile_engines(model, engines, workers or max(1, min(12, compilation.CORES // 2)))
     return time.perf_counter() - start
+
+
+def compile_engines(model: Model, engines: Sequence[tuple[GenerationConfig, int, int, Sequence[int]]],
+                    workers: int | None = None) -> None:
+    """Compile the programs of engines ``(config, slots, cache_len, prompt lengths)`` of
+    ``model`` for its weights' shapes only (no device memory beyond the weights already held),
+    ``workers`` at a time: engines made afterwards with those arguments compile nothing."""
+    shapes = dataclasses.replace(model, params=jax.tree.map(compilation.shape_of, model.params))
+    # Each engine keeps at most four jitted programs (its state's, the round, two prefills):
+    # all must stay for the engines made later, which then find them compiled.
+    compilation.PROGRAMS.capacity = max(compilation.PROGRAMS.capacity, 4 * len(engines))
+    rounds, prefills = [], []
+    for config, slots, cache_len, lengths in engines:
+        engine = Engine(shapes, config, slots=slots, cache_len=cache_len, detokenize=False)
+        first, *rest = engine.runner.programs(lengths, prefix=config.prefix_caching)
+        rounds.append(first)  # the longest compiles first
+        prefills += rest
+    compilation.compile_together(rounds + prefills, workers)
 
 
 def _plan(model: Model, modes: Sequence[str], batch: int, requests: int, max_new_tokens: int,

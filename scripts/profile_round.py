@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import json
 import re
@@ -24,7 +23,7 @@ import jax
 from jax._src.profiler import ProfileData
 
 import focus_jax
-from focus_jax import bench, compilation
+from focus_jax import bench
 from focus_jax.config import GenerationConfig
 from focus_jax.engine import Engine, run_to_completion
 
@@ -114,13 +113,8 @@ def main() -> None:
     # Every mode's programs are compiled first, for the weights' shapes, before any engine
     # holds its cache: at SDAR-30B-A3B on the H200 the weights and one engine's cache leave too
     # little memory for XLA's GEMM autotuning (seen: out of memory while compiling).
-    shapes = dataclasses.replace(model, params=jax.tree.map(compilation.shape_of, model.params))
-    compilation.PROGRAMS.capacity = max(compilation.PROGRAMS.capacity, 4 * len(configs))
-    programs = []
-    for config in configs.values():
-        programs += Engine(shapes, config, slots=args.batch, cache_len=cache_len,
-                           detokenize=False).runner.programs(lengths)
-    compilation.compile_together(programs)
+    bench.compile_engines(model, [(config, args.batch, cache_len, lengths)
+                                  for config in configs.values()])
     for mode, config in configs.items():
         engine = Engine(model, config, slots=args.batch, cache_len=cache_len)
         engine.warmup(prompt_lengths=lengths)
