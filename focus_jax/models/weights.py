@@ -11,6 +11,7 @@ several Hugging Face tensors side by side (:class:`Fused`): Q, K and V; an MLP's
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -248,6 +249,9 @@ def _place(value: np.ndarray | jax.Array, var: nnx.Variable, mesh: Mesh | None) 
     return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
 
 
+LOAD_WORKERS = 8
+"""Weights converted on the device side by side while loading (:func:`load_safetensors`)."""
+
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -263,22 +267,46 @@ def _table(cfg: ModelConfig) -> KeyTable:
 
 
 class _Collected:
-    """One per-layer (or per-expert) name's tensors as they are read, stacked as they are in
-    the file (torch layout, the file's dtype): a plain copy per tensor."""
+    """One per-layer (or per-expert) name's tensors as they are read: views of the files' memory
+    maps by position, nothing copied yet. Indexed like their stack (``[layer]`` or ``[layer,
+    expert]``, torch layout, the file's dtype); a layer of an expert name is its experts stacked
+    (one copy, of that layer)."""
 
     def __init__(self, count: int, experts: int | None):
         self.lead = (count,) if experts is None else (count, experts)
-        self.array: np.ndarray | None = None
+        self.views: dict[tuple[int, ...], np.ndarray] = {}
         self.filled = np.zeros(self.lead, bool)
 
     def put(self, at: tuple[int, ...], value: np.ndarray) -> None:
-        if self.array is None:
-            self.array = np.empty((*self.lead, *value.shape), value.dtype)
-        if value.shape != self.array.shape[len(self.lead):]:
-            raise ConfigError(f"tensors of one name differ in shape between layers or experts: "
-                              f"{tuple(value.shape)} and {self.array.shape[len(self.lead):]}")
-        self.array[at] = value
+        if self.views:
+            first = next(iter(self.views.values()))
+            if value.shape != first.shape:
+                raise ConfigError(f"tensors of one name differ in shape between layers or "
+                                  f"experts: {tuple(value.shape)} and {tuple(first.shape)}")
+        self.views[at] = value
         self.filled[at] = True
+
+    @property
+    def _first(self) -> np.ndarray:
+        return next(iter(self.views.values()))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.lead, *self._first.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._first.dtype
+
+    def __getitem__(self, at: int | tuple[int, ...]) -> np.ndarray:
+        at = (at,) if isinstance(at, int | np.integer) else tuple(at)
+        if len(at) == len(self.lead):
+            return self.views[at]
+        # One layer's experts: copied as unsigned integers of the same width, which NumPy copies
+        # without holding the interpreter lock (bfloat16 is not one of its own types).
+        raw = np.dtype(f"u{self.dtype.itemsize}")
+        return np.stack([self.views[(*at, e)].view(raw) for e in range(self.lead[1])]
+                        ).view(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +316,7 @@ class _Pending:
     from one slice of them to one slice of ours, and our dtype."""
 
     path: tuple[str, ...]
-    raw: tuple[np.ndarray, ...]
+    raw: tuple[np.ndarray | _Collected, ...]
     convert: Callable[..., Any]
     lead: int
     dtype: Any
@@ -408,7 +436,7 @@ def _stacked(collected: dict[tuple[str, bool], _Collected], table: KeyTable, cfg
             weight = table.weight(name, expert)
             if weight.path in table.fused or (name, expert) not in collected:
                 continue
-            raw = collected[(name, expert)].array
+            raw = collected[(name, expert)]
             pending.append(_Pending(weight.path, (raw,), functools.partial(weight.to_ours, cfg=cfg),
                                     2 if expert else 1, dtype_of(weight.path, raw)))
     for path, fused in table.fused.items():
@@ -419,7 +447,7 @@ def _stacked(collected: dict[tuple[str, bool], _Collected], table: KeyTable, cfg
         absent = [part for part in fused.parts if (part, expert) not in collected]
         if absent:
             raise ConfigError(f"weights in {folder} lack {', '.join(absent)} (of every layer)")
-        raws = tuple(collected[(part, expert)].array for part in fused.parts)
+        raws = tuple(collected[(part, expert)] for part in fused.parts)
 
         def joined(*parts: Any, fused: Fused = fused) -> Any:
             return fused.join([fused.to_ours(name)(w, cfg)
@@ -449,10 +477,18 @@ def _fill(model: Decoder, pending: list[_Pending], origin: Path, mesh: Mesh | No
             raise ConfigError(f"{'.'.join(item.path)} in {origin} has shape {shape}, "
                               f"config.json implies {tuple(want)}")
         shapes[item.path] = shape
-    for item in pending:
-        shape = shapes[item.path]
-        value = item.on_device(shape) if on_device else item.on_host(shape)
-        expected[item.path].set_value(_place(value, expected[item.path], mesh))
+    if on_device:
+        # Several weights at once: each thread's transfers read their layers' pages of the
+        # memory maps (the load's slow part on a GPU host), which run side by side.
+        with concurrent.futures.ThreadPoolExecutor(LOAD_WORKERS,
+                                                   thread_name_prefix="focus_jax_load") as pool:
+            values = pool.map(lambda item: item.on_device(shapes[item.path]), pending)
+            for item, value in zip(pending, values, strict=True):
+                expected[item.path].set_value(_place(value, expected[item.path], mesh))
+    else:
+        for item in pending:
+            value = item.on_host(shapes[item.path])
+            expected[item.path].set_value(_place(value, expected[item.path], mesh))
     return nnx.merge(graphdef, state)
 
 
