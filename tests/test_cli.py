@@ -1,5 +1,7 @@
 """The focus-jax command line."""
 
+import signal
+
 import pytest
 
 import focus_jax
@@ -164,9 +166,17 @@ def test_serve_without_the_serve_extra_names_the_install_command():
     assert "Traceback" not in done.stderr
 
 
+def _sigint_at_its_default():
+    """``preexec_fn`` of a child that a test sends SIGINT: it starts with SIGINT at its default
+    disposition and unblocked, whatever this process has (a non-interactive shell's background
+    job, ``make test &``, starts with SIGINT ignored, and an ignored signal stays ignored across
+    exec: Python then installs no KeyboardInterrupt handler and the child ignores Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_ends_generate_at_once_with_status_130_and_no_traceback(tmp_path):
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -179,7 +189,8 @@ def test_ctrl_c_ends_generate_at_once_with_status_130_and_no_traceback(tmp_path)
                "--max-new-tokens", "256", "--threshold", "1"]
     with log.open("w") as err:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err,
-                                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                                   env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                                   preexec_fn=_sigint_at_its_default)
     try:
         deadline = time.monotonic() + 300
         while "%|" not in log.read_text() and time.monotonic() < deadline:  # decoding begun
@@ -232,7 +243,6 @@ def test_ctrl_c_inside_a_compile_ends_generate_within_seconds(tmp_path):
     """A compile does not return to Python for seconds (a minute for SDAR-8B on a GPU): the
     signal itself ends the command (focus_jax.ctrl_c), with one line and status 130."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -240,7 +250,8 @@ def test_ctrl_c_inside_a_compile_ends_generate_within_seconds(tmp_path):
     command = [sys.executable, "-m", "focus_jax.cli", "generate", "--prompt", "What is 2+2?",
                "--no-compile-cache"]  # compiles for about 10 s on 2 cores, after 3-5 s of loading
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                               text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                               preexec_fn=_sigint_at_its_default)
     try:
         time.sleep(6)
         assert process.poll() is None
