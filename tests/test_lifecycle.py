@@ -264,7 +264,10 @@ def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled
     prompt = encode_prompt(bundled, "Reverse: p a l l a s")
 
     async def main():
-        engine = AsyncEngine(bundled_engine(bundled, slots=2, max_new_tokens=96), max_queue=2)
+        # No stop token: a short answer could end a running request between the checks below, and
+        # with it the wait for a slot that makes the fifth request QueueFull.
+        engine = AsyncEngine(bundled_engine(bundled, slots=2, max_new_tokens=96, stop_token_ids=()),
+                             max_queue=2)
         finals = []
 
         async def consume():
