@@ -54,12 +54,31 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
     ``quantize``: ``"int8"`` or ``"fp8"`` weights (per output channel), or a
     :class:`~focus_jax.config.Quantization` (8-bit activations too), docs/quantization.md; a
     folder converted with ``--quantize`` loads quantized without it.
+
+    The same as :func:`load_weights` of :func:`describe`: a caller can compile programs for
+    the described model while its weights load (``focus-jax serve`` does).
     """
+    _check_quantization(quantize, mesh)
+    return load_weights(describe(path, dtype=dtype, tokenizer=tokenizer, mesh=mesh), path,
+                        mesh=mesh, quantize=quantize)
+
+
+def _check_quantization(quantize: str | Quantization | None, mesh: Mesh | None
+                        ) -> Quantization | None:
     quantization = as_quantization(quantize)
     if mesh is not None:
         check_platform(quantization, mesh.devices.flat[0].platform, mesh.devices.flat[0])
     else:
         check_platform(quantization, jax.default_backend())
+    return quantization
+
+
+def describe(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
+             mesh: Mesh | None = None) -> Model:
+    """The folder's model with its weights' shapes only (nothing read but config.json and the
+    tokenizer, nothing allocated): an engine of it compiles the programs that the loaded
+    model's engine then finds compiled (the weights load as unquantized, unsharded arrays of
+    exactly these shapes). The folder is checked as :func:`load` checks it."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ConfigError(f"model folder {folder} does not exist (focus_jax loads local paths "
@@ -79,6 +98,14 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
         cfg = cfg.replace(mask_token_id=mask)
     if mesh is not None:
         sharding.check_divisible(cfg, mesh)
+    return Model.from_decoder(abstract_decoder(cfg), tok, stop_token_ids(folder, tok))
+
+
+def load_weights(described: Model, path: str | Path, *, mesh: Mesh | None = None,
+                 quantize: str | Quantization | None = None) -> Model:
+    """``described`` (:func:`describe` of the folder ``path``) with the folder's weights."""
+    quantization = _check_quantization(quantize, mesh)
+    folder, cfg = Path(path).expanduser(), described.config
     if (folder / PARAMS_DIR).is_dir():
         decoder = _restore_orbax(folder / PARAMS_DIR, cfg, mesh)
     elif cfg.quantization is not None:
@@ -87,7 +114,7 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
                           f"focus-jax convert --quantize)")
     else:
         decoder = load_safetensors(folder, cfg, mesh)
-    model = Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
+    model = Model.from_decoder(decoder, described.tokenizer, described.stop_token_ids)
     return model if quantization is None else quantize_model(model, quantization, mesh)
 
 
