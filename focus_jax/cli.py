@@ -214,11 +214,15 @@ def load_model(path: Path | None, dtype: str | None = None, mesh=None,
     lacks it)."""
     from focus_jax.checkpoint import load
 
+    return load(_model_path(path), dtype=dtype, mesh=mesh, quantize=quantize)
+
+
+def _model_path(path: Path | None) -> Path:
+    """``path``, or the bundled model's folder (``ConfigError`` if this install lacks it)."""
     if path is None and not (BUNDLED_MODEL / "config.json").is_file():
         raise ConfigError(f"the bundled model is missing from this install ({BUNDLED_MODEL}): "
                           f"reinstall focus-jax, or pass --model PATH")
-    return load(BUNDLED_MODEL if path is None else path, dtype=dtype, mesh=mesh,
-                quantize=quantize)
+    return BUNDLED_MODEL if path is None else path
 
 
 def format_stats(stats: RunStats, num_layers: int) -> str:
@@ -627,7 +631,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import jax
 
     from focus_jax import compilation
-    from focus_jax.engine import AsyncEngine, Engine
+    from focus_jax.checkpoint import describe, load_weights
+    from focus_jax.engine import AsyncEngine, Engine, compile_ahead
     from focus_jax.sharding import make_mesh, parse_mesh
 
     try:
@@ -649,16 +654,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_kernels(args.kernels)
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
     _compile_cache(args)  # before loading: on an accelerator the loader compiles its conversions
-    began = time.perf_counter()
-    model = load_model(args.model, args.dtype, mesh, _quantization(args))
-    jax.block_until_ready(model.params)
-    print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
-          file=sys.stderr, flush=True)
-    if model.tokenizer is None:
+    path = _model_path(args.model)
+    described = describe(path, dtype=args.dtype, mesh=mesh)
+    if described.tokenizer is None:
         raise ConfigError("the model folder has no tokenizer, which the server needs")
     on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
     slots = args.max_batch or (SERVE_CPU_SHAPE[0] if on_cpu else SERVE_SLOTS)
-    positions = model.config.max_position_embeddings
+    positions = described.config.max_position_embeddings
     context = args.max_model_len or min(positions, SERVE_CPU_SHAPE[1] if on_cpu else SERVE_CONTEXT)
     if not 1 <= context <= positions:
         raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
@@ -667,16 +669,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               commit_refresh=args.commit_refresh,
                               interruptible_rounds=args.round_interrupts,
                               free_slot_round_steps=_free_slot_round_steps(args), **_kv_cache(args))
-    engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
-    name = args.served_model_name or (args.model or BUNDLED_MODEL).resolve().name
-    print(f"focus-jax serve: compiling every program for {slots} slots x {context} "
-          f"positions, {args.mode} mode ...", file=sys.stderr, flush=True)
+    quantization = _quantization(args)
+    name = args.served_model_name or path.resolve().name
+    print(f"focus-jax serve: loading {name!r} and compiling every program for {slots} slots x "
+          f"{context} positions, {args.mode} mode ...", file=sys.stderr, flush=True)
     began = time.perf_counter()
     with compilation.count_compilations() as seen:
+        # The programs need the weights' shapes only: they compile while the weights load.
+        ahead = (None if quantization is not None or mesh is not None else
+                 compile_ahead(Engine(described, config, slots=slots, cache_len=context)))
+        model = load_weights(described, path, mesh=mesh, quantize=quantization)
+        jax.block_until_ready(model.params)
+        print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
+              file=sys.stderr, flush=True)
+        engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
+        if ahead is not None:
+            ahead.join()  # its failure, if any, is the warm-up's below
         engine.warmup()
-    print(f"focus-jax serve: warm-up {time.perf_counter() - began:.1f} s ({seen.compiled} "
-          f"programs compiled, {seen.loaded} read from the compilation cache)", file=sys.stderr,
-          flush=True)
+    print(f"focus-jax serve: ready {time.perf_counter() - began:.1f} s after the load began "
+          f"({seen.compiled} programs compiled, {seen.loaded} read from the compilation cache)",
+          file=sys.stderr, flush=True)
     app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
                      ServeSettings(model_name=name, api_key=args.api_key,
                                    grace_seconds=args.grace_period))

@@ -268,6 +268,32 @@ def test_a_model_of_weight_shapes_compiles_the_programs_its_weights_then_run(mod
     assert len(outputs[request].token_ids) == 8
 
 
+def test_a_described_folder_compiles_while_its_weights_load():
+    """``focus-jax serve`` compiles from the folder's description (config and tokenizer read,
+    no weights) while the weights load: the loaded model is the described one with weights
+    (same structure, shapes and dtypes), and its engine finds every program compiled."""
+    from focus_jax.checkpoint import describe, load_weights
+    from focus_jax.cli import BUNDLED_MODEL
+    from focus_jax.engine import compile_ahead
+
+    described = describe(BUNDLED_MODEL)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(described.params))
+    config = GenerationConfig(mode="focus", max_new_tokens=8)
+    # A shape no other test uses: its programs are compiled here, not found in memory.
+    compiler = Engine(described, config, slots=3, cache_len=40)
+    with count_compilations() as first:
+        ahead = compile_ahead(compiler)
+        model = load_weights(described, BUNDLED_MODEL)
+        ahead.join()
+    assert "jit(decode_round)" in first.names, first.names
+    assert model.graphdef == described.graphdef and model.config == described.config
+    assert jax.tree.map(compilation.shape_of, model.params) == described.params
+    engine = Engine(model, config, slots=3, cache_len=40)
+    with count_compilations() as again:
+        engine.warmup()
+    assert not {"jit(decode_round)", "jit(prefill)"} & set(again.names), again.names
+
+
 def test_bench_compiles_every_runs_programs_first_and_the_runs_compile_none(model, monkeypatch):
     """``bench`` with several batches (or modes) compiles all their programs at once, before the
     first run; each run then compiles none of them, even where the process keeps fewer

@@ -4,11 +4,11 @@ output processor (statistics, incremental tokens and text); :class:`AsyncEngine`
 background thread for servers."""
 
 from focus_jax.engine.async_engine import AsyncEngine, EngineClosed, QueueFull
-from focus_jax.engine.core import Engine, run_to_completion
+from focus_jax.engine.core import Engine, compile_ahead, run_to_completion
 from focus_jax.engine.output import RequestOutput, RequestStats, Result, RunStats, token_layer_split
 from focus_jax.engine.params import RequestError, SamplingParams
 from focus_jax.engine.runner import cache_length, check_memory_fits, prompt_buckets
 
 __all__ = ["AsyncEngine", "Engine", "EngineClosed", "QueueFull", "RequestError", "RequestOutput",
            "RequestStats", "Result", "RunStats", "SamplingParams", "cache_length",
-           "check_memory_fits", "prompt_buckets", "run_to_completion", "token_layer_split"]
+           "check_memory_fits", "compile_ahead", "prompt_buckets", "run_to_completion", "token_layer_split"]

@@ -11,6 +11,8 @@ no host round trip per step), and the outputs of the blocks it committed come ba
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -31,6 +33,8 @@ from focus_jax.model import Model
 from focus_jax.policies import Policies
 from focus_jax.prompts import token_ids
 from pallas_kernels.dispatch import unusable
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -231,6 +235,23 @@ class Engine:
     def lower_round(self) -> jax.stages.Lowered:
         """The decode round, lowered for this engine's model, settings and state."""
         return self.runner.lower_round()
+
+
+def compile_ahead(engine: Engine) -> threading.Thread:
+    """Start compiling ``engine``'s programs (``warmup(run=False)``) on a background thread and
+    return the thread. For an engine of a model of weight shapes
+    (:func:`focus_jax.checkpoint.describe`): it compiles while the weights load, and the loaded
+    model's engine of the same settings then finds its programs compiled. A failure is left to
+    that engine's warm-up, which meets it again (logged here at debug level)."""
+    def work() -> None:
+        try:
+            engine.warmup(run=False)
+        except Exception:
+            log.debug("compiling ahead failed; the warm-up compiles again", exc_info=True)
+
+    thread = threading.Thread(target=work, name="focus_jax_compile_ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def _slot_output(output: OutputProcessor, scheduler: Scheduler, request: Request, slot: int,
