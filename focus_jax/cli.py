@@ -611,6 +611,10 @@ SERVE_SLOTS = 32
 """The server's default slots on GPUs and TPUs (on a CPU: ``SERVE_CPU_SHAPE``)."""
 SERVE_CPU_SHAPE = CPU_SHAPE
 """The server's default slots and context on a CPU: a chat answers in seconds (docs/startup.md)."""
+SERVE_CPU_LADDER = (0.25, 1.0)
+"""The server's bucket ladder at its default CPU shape: one slot's block, or all four. Its decode
+round compiles in about 8 s less than ``CPU_LADDER``'s on the 2-core machine (a third of a cold
+start), for about 0.1 s more on a chat while other slots decode too (docs/startup.md)."""
 SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "httpx")
 """Modules of the ``serve`` extra (and theirs) that the server imports."""
 SERVE_CONTEXT = 4096
@@ -665,7 +669,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= context <= positions:
         raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
                           f"max_position_embeddings), got {context}")
-    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder),
+    ladder = _ladder(args.bucket_ladder)
+    if on_cpu and args.max_batch is None and not ladder:
+        ladder = {"bucket_ladder": SERVE_CPU_LADDER}
+    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **ladder,
                               commit_refresh=args.commit_refresh,
                               interruptible_rounds=args.round_interrupts,
                               free_slot_round_steps=_free_slot_round_steps(args), **_kv_cache(args))
@@ -673,19 +680,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or path.resolve().name
     print(f"focus-jax serve: loading {name!r} and compiling every program for {slots} slots x "
           f"{context} positions, {args.mode} mode ...", file=sys.stderr, flush=True)
-    began = time.perf_counter()
-    with compilation.count_compilations() as seen:
-        # The programs need the weights' shapes only: they compile while the weights load.
-        ahead = (None if quantization is not None or mesh is not None else
-                 compile_ahead(Engine(described, config, slots=slots, cache_len=context)))
-        model = load_weights(described, path, mesh=mesh, quantize=quantization)
-        jax.block_until_ready(model.params)
-        print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
-              file=sys.stderr, flush=True)
-        engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
-        if ahead is not None:
-            ahead.join()  # its failure, if any, is the warm-up's below
-        engine.warmup()
+    began, ahead = time.perf_counter(), None
+    try:
+        with compilation.count_compilations() as seen:
+            # The programs need the weights' shapes only: they compile while the weights load.
+            if quantization is None and described.config.quantization is None and mesh is None:
+                ahead = compile_ahead(Engine(described, config, slots=slots, cache_len=context))
+            model = load_weights(described, path, mesh=mesh, quantize=quantization)
+            jax.block_until_ready(model.params)
+            print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
+                  file=sys.stderr, flush=True)
+            engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
+            if ahead is not None:
+                ahead.join()  # its failure, if any, is the warm-up's below
+            engine.warmup()
+    except KeyboardInterrupt:
+        if ahead is not None and ahead.is_alive():  # not through the interpreter's shutdown
+            print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)  # while XLA compiles beside it
+            ctrl_c.exit_now()
+        raise
     print(f"focus-jax serve: ready {time.perf_counter() - began:.1f} s after the load began "
           f"({seen.compiled} programs compiled, {seen.loaded} read from the compilation cache)",
           file=sys.stderr, flush=True)
@@ -967,7 +980,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                      help="the model's name in the API (default: the model folder's name)")
     srv.add_argument("--bucket-ladder", default=None,
                      help="compaction bucket sizes as fractions of slots x block, comma-separated "
-                          "(fewer: faster warm-up, more padding; default: the platform's)")
+                          "(fewer: faster warm-up, more padding; default: the platform's, "
+                          f"{','.join(map(str, SERVE_CPU_LADDER))} at the CPU's default slots)")
     srv.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                      help="weights' dtype (default: the model's)")
     _add_kernels_option(srv)
