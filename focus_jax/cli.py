@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from focus_jax import bundled, ctrl_c
 from focus_jax.compilation import Compilations
@@ -22,6 +23,7 @@ from focus_jax.config import (
     UNMASKING_RULES,
     ConfigError,
     GenerationConfig,
+    ModelConfig,
     Quantization,
     mode_label,
 )
@@ -29,6 +31,12 @@ from focus_jax.distributed import JOIN_TIMEOUT_SECONDS
 from focus_jax.engine import RequestError, RunStats
 from focus_jax.engine.core import CPU_SHAPE
 from focus_jax.tasks import HELD_OUT_SEED, WORKED
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from focus_jax.engine import Engine
+    from focus_jax.model import Model
 
 BUNDLED_MODEL = bundled.MODEL
 GEOMETRY_NAMES = ("sdar-1.7b", "sdar-8b", "sdar-30b-a3b", "llada2-mini")
@@ -631,12 +639,66 @@ def _free_slot_round_steps(args: argparse.Namespace) -> int:
             else GenerationConfig.free_slot_round_steps)
 
 
+def _serve_setting(args: argparse.Namespace, cfg: ModelConfig, on_cpu: bool
+                   ) -> tuple[int, int, GenerationConfig]:
+    """The server's slots, context and generation config from its options and the model's
+    config (defaults by platform)."""
+    slots = args.max_batch or (SERVE_CPU_SHAPE[0] if on_cpu else SERVE_SLOTS)
+    positions = cfg.max_position_embeddings
+    context = args.max_model_len or min(positions, SERVE_CPU_SHAPE[1] if on_cpu else SERVE_CONTEXT)
+    if not 1 <= context <= positions:
+        raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
+                          f"max_position_embeddings), got {context}")
+    ladder = _ladder(args.bucket_ladder)
+    if on_cpu and args.max_batch is None and not ladder:
+        ladder = {"bucket_ladder": SERVE_CPU_LADDER}
+    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **ladder,
+                              commit_refresh=args.commit_refresh,
+                              interruptible_rounds=args.round_interrupts,
+                              free_slot_round_steps=_free_slot_round_steps(args), **_kv_cache(args))
+    return slots, context, config
+
+
+def _load_and_compile(described: Model, path: Path, config: GenerationConfig, slots: int, context: int,
+                      mesh: Mesh | None, quantization: Quantization | None) -> Engine:
+    """The warmed-up engine of the folder ``path`` (``described``: its :func:`describe`). The
+    programs need the weights' shapes only: they compile while the weights load (not for weights
+    quantized as they load, nor onto a mesh). A paged pool sized by the memory left after the
+    weights is sized once, from the description, for both engines."""
+    import jax
+
+    from focus_jax.checkpoint import load_weights
+    from focus_jax.engine import Engine, compile_ahead
+
+    began, ahead = time.perf_counter(), None
+    try:
+        if quantization is None and described.config.quantization is None and mesh is None:
+            compiler = Engine(described, config, slots=slots, cache_len=context)
+            if compiler.scheduler.pool is not None:
+                config = config.replace(kv_pages=compiler.scheduler.pool.total)
+            ahead = compile_ahead(compiler)
+        model = load_weights(described, path, mesh=mesh, quantize=quantization)
+        jax.block_until_ready(model.params)
+        print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
+              file=sys.stderr, flush=True)
+        engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
+        if ahead is not None:
+            ahead.join()  # its failure, if any, is the warm-up's below
+        engine.warmup()
+        return engine
+    except KeyboardInterrupt:
+        if ahead is not None and ahead.is_alive():  # not through the interpreter's shutdown
+            print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)  # while XLA compiles beside it
+            ctrl_c.exit_now()
+        raise
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import jax
 
     from focus_jax import compilation
-    from focus_jax.checkpoint import describe, load_weights
-    from focus_jax.engine import AsyncEngine, Engine, compile_ahead
+    from focus_jax.checkpoint import describe
+    from focus_jax.engine import AsyncEngine
     from focus_jax.sharding import make_mesh, parse_mesh
 
     try:
@@ -663,42 +725,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if described.tokenizer is None:
         raise ConfigError("the model folder has no tokenizer, which the server needs")
     on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
-    slots = args.max_batch or (SERVE_CPU_SHAPE[0] if on_cpu else SERVE_SLOTS)
-    positions = described.config.max_position_embeddings
-    context = args.max_model_len or min(positions, SERVE_CPU_SHAPE[1] if on_cpu else SERVE_CONTEXT)
-    if not 1 <= context <= positions:
-        raise ConfigError(f"--max-model-len must lie in [1, {positions}] (the model's "
-                          f"max_position_embeddings), got {context}")
-    ladder = _ladder(args.bucket_ladder)
-    if on_cpu and args.max_batch is None and not ladder:
-        ladder = {"bucket_ladder": SERVE_CPU_LADDER}
-    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **ladder,
-                              commit_refresh=args.commit_refresh,
-                              interruptible_rounds=args.round_interrupts,
-                              free_slot_round_steps=_free_slot_round_steps(args), **_kv_cache(args))
-    quantization = _quantization(args)
+    slots, context, config = _serve_setting(args, described.config, on_cpu)
     name = args.served_model_name or path.resolve().name
     print(f"focus-jax serve: loading {name!r} and compiling every program for {slots} slots x "
           f"{context} positions, {args.mode} mode ...", file=sys.stderr, flush=True)
-    began, ahead = time.perf_counter(), None
-    try:
-        with compilation.count_compilations() as seen:
-            # The programs need the weights' shapes only: they compile while the weights load.
-            if quantization is None and described.config.quantization is None and mesh is None:
-                ahead = compile_ahead(Engine(described, config, slots=slots, cache_len=context))
-            model = load_weights(described, path, mesh=mesh, quantize=quantization)
-            jax.block_until_ready(model.params)
-            print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
-                  file=sys.stderr, flush=True)
-            engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
-            if ahead is not None:
-                ahead.join()  # its failure, if any, is the warm-up's below
-            engine.warmup()
-    except KeyboardInterrupt:
-        if ahead is not None and ahead.is_alive():  # not through the interpreter's shutdown
-            print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)  # while XLA compiles beside it
-            ctrl_c.exit_now()
-        raise
+    began = time.perf_counter()
+    with compilation.count_compilations() as seen:
+        engine = _load_and_compile(described, path, config, slots, context, mesh,
+                                   _quantization(args))
     print(f"focus-jax serve: ready {time.perf_counter() - began:.1f} s after the load began "
           f"({seen.compiled} programs compiled, {seen.loaded} read from the compilation cache)",
           file=sys.stderr, flush=True)

@@ -294,6 +294,28 @@ def test_a_described_folder_compiles_while_its_weights_load():
     assert not {"jit(decode_round)", "jit(prefill)"} & set(again.names), again.names
 
 
+def test_the_server_sizes_a_memory_sized_pool_once_for_the_compile_and_the_loaded_engine(
+        monkeypatch):
+    """A paged pool sized by the memory left after the weights would come out larger before the
+    weights are on the device than after: the server sizes it once, from the description, so
+    the loaded engine's programs are those compiled while it loaded (one round compiled)."""
+    from focus_jax import cli
+    from focus_jax.checkpoint import describe
+    from focus_jax.engine import core
+    from focus_jax.engine.runner import is_abstract
+
+    def pool_pages(model, config, *args):  # more memory free while nothing is loaded
+        return config.kv_pages or (12 if is_abstract(model.params) else 10)
+
+    monkeypatch.setattr(core, "pool_pages", pool_pages)
+    described = describe(cli.BUNDLED_MODEL)
+    config = GenerationConfig(mode="focus", max_new_tokens=8, kv_cache="paged")
+    with count_compilations() as seen:
+        engine = cli._load_and_compile(described, cli.BUNDLED_MODEL, config, 2, 40, None, None)
+    assert engine.scheduler.pool.total == 12
+    assert seen.names.count("jit(decode_round)") == 1, seen.names
+
+
 def test_bench_compiles_every_runs_programs_first_and_the_runs_compile_none(model, monkeypatch):
     """``bench`` with several batches (or modes) compiles all their programs at once, before the
     first run; each run then compiles none of them, even where the process keeps fewer
