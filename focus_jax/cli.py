@@ -659,44 +659,49 @@ def _serve_setting(args: argparse.Namespace, cfg: ModelConfig, on_cpu: bool
     return slots, context, config
 
 
-def _load_and_compile(described: Model, path: Path, config: GenerationConfig, slots: int, context: int,
-                      mesh: Mesh | None, quantization: Quantization | None) -> Engine:
-    """The warmed-up engine of the folder ``path`` (``described``: its :func:`describe`). The
-    programs need the weights' shapes only: they compile while the weights load (not for weights
-    quantized as they load, nor onto a mesh). A paged pool sized by the memory left after the
-    weights is sized once, from the description, for both engines."""
+def _load_and_compile(described: Model, path: Path, config: GenerationConfig, slots: int,
+                      context: int, mesh: Mesh | None, quantization: Quantization | None) -> Engine:
+    """The warmed-up engine of the folder ``path`` (``described``: its :func:`describe`), its
+    load and start-up reported on stderr. The programs need the weights' shapes only: they
+    compile while the weights load (not for weights quantized as they load, nor onto a mesh). A
+    paged pool sized by the memory left after the weights is sized once, from the description,
+    for both engines."""
     import jax
 
+    from focus_jax import compilation
     from focus_jax.checkpoint import load_weights
     from focus_jax.engine import Engine, compile_ahead
 
     began, ahead = time.perf_counter(), None
     try:
-        if quantization is None and described.config.quantization is None and mesh is None:
-            compiler = Engine(described, config, slots=slots, cache_len=context)
-            if compiler.scheduler.pool is not None:
-                config = config.replace(kv_pages=compiler.scheduler.pool.total)
-            ahead = compile_ahead(compiler)
-        model = load_weights(described, path, mesh=mesh, quantize=quantization)
-        jax.block_until_ready(model.params)
-        print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
-              file=sys.stderr, flush=True)
-        engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
-        if ahead is not None:
-            ahead.join()  # its failure, if any, is the warm-up's below
-        engine.warmup()
-        return engine
+        with compilation.count_compilations() as seen:
+            if quantization is None and described.config.quantization is None and mesh is None:
+                compiler = Engine(described, config, slots=slots, cache_len=context)
+                if compiler.scheduler.pool is not None:
+                    config = config.replace(kv_pages=compiler.scheduler.pool.total)
+                ahead = compile_ahead(compiler)
+            model = load_weights(described, path, mesh=mesh, quantize=quantization)
+            jax.block_until_ready(model.params)
+            print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
+                  file=sys.stderr, flush=True)
+            engine = Engine(model, config, slots=slots, cache_len=context, mesh=mesh)
+            if ahead is not None:
+                ahead.join()  # its failure, if any, is the warm-up's below
+            engine.warmup()
     except KeyboardInterrupt:
         if ahead is not None and ahead.is_alive():  # not through the interpreter's shutdown
             print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)  # while XLA compiles beside it
             ctrl_c.exit_now()
         raise
+    print(f"focus-jax serve: ready {time.perf_counter() - began:.1f} s after the load began "
+          f"({seen.compiled} programs compiled, {seen.loaded} read from the compilation cache)",
+          file=sys.stderr, flush=True)
+    return engine
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import jax
 
-    from focus_jax import compilation
     from focus_jax.checkpoint import describe
     from focus_jax.engine import AsyncEngine
     from focus_jax.sharding import make_mesh, parse_mesh
@@ -729,13 +734,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or path.resolve().name
     print(f"focus-jax serve: loading {name!r} and compiling every program for {slots} slots x "
           f"{context} positions, {args.mode} mode ...", file=sys.stderr, flush=True)
-    began = time.perf_counter()
-    with compilation.count_compilations() as seen:
-        engine = _load_and_compile(described, path, config, slots, context, mesh,
-                                   _quantization(args))
-    print(f"focus-jax serve: ready {time.perf_counter() - began:.1f} s after the load began "
-          f"({seen.compiled} programs compiled, {seen.loaded} read from the compilation cache)",
-          file=sys.stderr, flush=True)
+    engine = _load_and_compile(described, path, config, slots, context, mesh, _quantization(args))
     app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
                      ServeSettings(model_name=name, api_key=args.api_key,
                                    grace_seconds=args.grace_period))
