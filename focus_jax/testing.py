@@ -13,6 +13,19 @@ from focus_jax.model import Model
 from focus_jax.models.decoder import Decoder
 from focus_jax.train.tokenizer import SPECIAL_TOKENS, wrap
 
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+"""XLA options of the test suite: LLVM's optimisation is about half of a CPU compile, and tests
+compile hundreds of small programs that each run briefly (a focus round of the tiny model:
+13.5 s of backend compile with the defaults, 6.5 s with these; the same tokens; docs/startup.md,
+"The test suite"). Numerics are XLA's either way: these options change the machine code's speed,
+not which operations run or in what precision."""
+
+
+def xla_flags(*extra: str, base: str = "") -> str:
+    """``XLA_FLAGS`` for a test process: ``base`` (e.g. the caller's environment), the test
+    options and ``extra`` (e.g. ``--xla_force_host_platform_device_count=8``)."""
+    return " ".join([*base.split(), *(f for f in TEST_XLA_FLAGS if f not in base), *extra])
+
 
 def char_tokenizer() -> Any:
     """A character-level tokenizer over printable ASCII, with pad / EOS / mask / chat tokens."""

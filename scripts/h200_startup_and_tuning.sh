@@ -22,11 +22,15 @@ nproc >> "$OUT/env.txt"
 python3 .peer/make_random_sdar.py --geometry sdar-8b --out /tmp/sdar8b > "$OUT/make.log" 2>&1 \
     || { tail "$OUT/make.log"; exit 1; }
 echo "folder made at $(( $(date +%s) - T0 )) s"
+# 256 slots x 2048 positions of SDAR-8B KV (77 GB) and its weights (16 GB) fit an H200, not an
+# 80 GB H100: there the server runs 128 slots.
+SLOTS=256
+[ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && SLOTS=128
 timeout 260 python3 scripts/benchmark_serve_start.py --timeout 200 --json "$OUT/serve_start.json" -- \
-    --model /tmp/sdar8b --max-batch 256 --max-model-len 2048 > "$OUT/serve_start.log" 2>&1
+    --model /tmp/sdar8b --max-batch $SLOTS --max-model-len 2048 > "$OUT/serve_start.log" 2>&1
 echo "serve start rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-600 "$OUT/serve_start.log"
 T=$(( $(left) - 150 )); [ $T -gt 240 ] && T=240
-[ $T -gt 40 ] && timeout $T python3 scripts/tune_grouped_matmul.py --rows 65536,8192 --runs 5 \
+[ $T -gt 40 ] && timeout $T python3 scripts/tune_grouped_matmul.py --rows 65536,8192,16384 --runs 5 \
     --calls 10 --json "$OUT/tune.json" --table "$OUT/table.json" > "$OUT/tune.log" 2>&1
 echo "tune rc $? at $(( $(date +%s) - T0 )) s"; tail -25 "$OUT/tune.log"
 for flags in "" "--xla_gpu_force_compilation_parallelism=16"; do

@@ -13,7 +13,10 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from focus_jax.testing import tiny_model  # noqa: E402
+from focus_jax.testing import tiny_model, xla_flags  # noqa: E402
+
+# Before any backend starts; inherited by the tests' subprocesses (focus_jax.testing.TEST_XLA_FLAGS).
+os.environ["XLA_FLAGS"] = xla_flags(base=os.environ.get("XLA_FLAGS", ""))
 
 
 @pytest.fixture(scope="session")

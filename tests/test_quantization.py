@@ -20,6 +20,7 @@ from focus_jax.cli import main
 from focus_jax.config import Quantization
 from focus_jax.model import Model, _logits
 from focus_jax.models.matmul import QTYPES
+from focus_jax.testing import xla_flags
 from tests.test_moe_decoding import llada2_model, serves_without_compiling
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
@@ -143,7 +144,7 @@ def test_8_bit_experts_split_over_a_mesh_give_the_single_device_logits():
     """The experts' 8-bit weights and scales are placed by their parameters' logical axes (a
     scale is not split on its contracted axis) and enter the experts' ``shard_map`` with them."""
     root = Path(__file__).parent.parent
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
            "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, str(root / "tests/sharding/quantized.py")], env=env,
                          capture_output=True, text=True, timeout=300)

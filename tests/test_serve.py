@@ -33,6 +33,7 @@ import focus_jax  # noqa: E402
 from focus_jax.cli import BUNDLED_MODEL, main  # noqa: E402
 from focus_jax.serve import load  # noqa: E402
 from focus_jax.serve.stop import tokens_through  # noqa: E402
+from focus_jax.testing import xla_flags  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "focus-tiny"
@@ -493,7 +494,7 @@ def test_a_server_on_a_two_device_mesh_answers_as_generate_does(tmp_path, cache,
     equal ``focus_jax.generate`` on one device. Baseline mode: FOCUS's eviction on a mesh equals
     one device only where XLA rounds alike (tests/sharding/compare.py)."""
     two = Server(tmp_path / "mesh.log", cache, "--mesh", "data=2", "--mode", "baseline",
-                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                 env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")})
     config = focus_jax.GenerationConfig(mode="baseline", bucket_ladder=LADDER, max_batch=SLOTS,
                                         max_new_tokens=MAX_TOKENS, max_cache_len=CONTEXT)
     expected = [r.text for r in focus_jax.generate(model, list(PROMPTS), config)]

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from focus_jax.compaction import compact
+from focus_jax.testing import xla_flags
 from pallas_kernels.focus_importance import focus_importance_sharded
 from pallas_kernels.focus_importance import reference as importance_reference
 from pallas_kernels.ragged_attention import ragged_attention_sharded
@@ -122,7 +123,7 @@ def main() -> None:
 
 
 def test_sharded_entry_points_equal_the_unsharded_ops_on_8_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"),
            "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                          timeout=600)

@@ -10,6 +10,7 @@ import pytest
 
 from focus_jax import ConfigError, GenerationConfig, generate
 from focus_jax.sharding import check_divisible, make_mesh, parse_mesh
+from focus_jax.testing import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sharded_generate_equals_single_device_in_every_mode_and_mesh():
     # Every program rounds where the code says (compare.py's docstring says why).
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false"}
+           "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8",
+                                        "--xla_allow_excess_precision=false")}
     out = subprocess.run([sys.executable, str(ROOT / "tests/sharding/compare.py"), "baseline",
                           "delayed", "focus"], env=env, capture_output=True, text=True,
                          timeout=900)
@@ -115,8 +117,7 @@ def _free_port() -> int:
 
 
 def test_two_processes_on_localhost_decode_like_one():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     script = str(ROOT / "tests/sharding/multiprocess.py")
     port = str(_free_port())
     workers = [subprocess.Popen([sys.executable, script, port, str(i), "focus"], env=env,
@@ -149,7 +150,7 @@ def test_a_hugging_face_folder_loads_straight_into_the_shards(tmp_path):
     save_safetensors(nnx.merge(model.graphdef, model.params), hf)
     (hf / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     converted = focus_jax.save(model, tmp_path / "converted")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"),
            "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, str(ROOT / "tests/sharding/load.py"), str(hf),
                           str(converted)], env=env, capture_output=True, text=True, timeout=300)

@@ -16,10 +16,12 @@ does.
 """
 
 import collections
+import contextlib
 import json
 import os
 import re
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
@@ -42,14 +44,24 @@ def main() -> None:
         # cache's processed-token compaction, the whole block of baseline's) and more (the
         # eviction's sharded importance kernel, the retained compaction). The other modes on
         # the mesh that splits both data and model.
-        compare(mode, meshes=MESHES if mode == "focus" else ((2, 4),))
+        with timed(mode):
+            compare(mode, meshes=MESHES if mode == "focus" else ((2, 4),))
     # Sampling: every data shard draws with the keys of the rows' global positions.
-    compare("focus", temperature=0.8, meshes=((8, 1),))
-    print(json.dumps({"bundled_focus_equal": compare_bundled()}), flush=True)
-    print(json.dumps({"interrupted": compare_interrupted()}), flush=True)
-    print(json.dumps({"collectives": data_parallel_collectives()}), flush=True)
-    print(json.dumps({"experts": compare_experts()}), flush=True)
-    print(json.dumps({"paged": compare_paged()}), flush=True)
+    with timed("sampled"):
+        compare("focus", temperature=0.8, meshes=((8, 1),))
+    for name, part in (("bundled_focus_equal", compare_bundled), ("interrupted", compare_interrupted),
+                       ("collectives", data_parallel_collectives), ("experts", compare_experts),
+                       ("paged", compare_paged)):
+        with timed(name):
+            print(json.dumps({name: part()}), flush=True)
+
+
+@contextlib.contextmanager
+def timed(name: str):
+    """Each part's seconds on stderr (the test's cost is in the compiles of these parts)."""
+    start = time.perf_counter()
+    yield
+    print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def compare_interrupted() -> dict[str, object]:
@@ -59,7 +71,7 @@ def compare_interrupted() -> dict[str, object]:
     prompts = random_prompts(8, 128, 2, 14, seed=31)
     config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
                               max_new_tokens=8, stop_token_ids=(), max_batch=8,
-                              bucket_ladder=(0.25, 0.5, 1.0))
+                              bucket_ladder=LADDER)
     single = [r.token_ids for r in generate(model, prompts, config)]
     engine = Engine(model, config.replace(interruptible_rounds=True), slots=8, cache_len=32,
                     mesh=make_mesh(2, 4))
@@ -89,7 +101,7 @@ def compare_experts() -> list[dict[str, object]]:
     for mode in ("focus",):  # the baseline's programs are a subset of focus's
         config = GenerationConfig(mode=mode, block_size=4, threshold=0.04, alpha=1.0,
                                   max_new_tokens=8, stop_token_ids=(), max_batch=8,
-                                  bucket_ladder=(0.25, 0.5, 1.0))
+                                  bucket_ladder=LADDER)
         single = [r.token_ids for r in generate(model, prompts, config)]
         for data, expert, parallel in ((2, 4, 1), (1, 4, 2)):
             engine = Engine(model, config, slots=8, cache_len=32,
@@ -113,7 +125,7 @@ def compare_paged() -> list[dict[str, object]]:
     prompts = [[*system, *p] for p in random_prompts(8, 128, 2, 10, seed=33)]
     config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, alpha=1.0,
                               max_new_tokens=8, stop_token_ids=(), max_batch=4,
-                              bucket_ladder=(0.25, 0.5, 1.0), kv_cache="paged", kv_pages=20,
+                              bucket_ladder=LADDER, kv_cache="paged", kv_pages=20,
                               prefix_caching=True)
     single = [r.token_ids for r in generate(model, prompts, config)]
     rows = []
@@ -139,13 +151,17 @@ def data_parallel_collectives() -> dict[str, int]:
     return dict(collections.Counter(ops))
 
 
+LADDER = (0.5, 1.0)
+"""Two compaction buckets: a round switches between them, as with any ladder, and compiles half
+the branches of three (most of this file's time is compiling)."""
+
 MESHES = ((8, 1), (1, 8), (2, 4))
 """(data, model): all data, all model, both."""
 
 
 def compare_config(mode: str, temperature: float = 0.0) -> GenerationConfig:
     return GenerationConfig(mode=mode, block_size=4, threshold=0.04, alpha=1.0, max_new_tokens=8,
-                            stop_token_ids=(), max_batch=8, bucket_ladder=(0.25, 0.5, 1.0),
+                            stop_token_ids=(), max_batch=8, bucket_ladder=LADDER,
                             temperature=temperature)
 
 
