@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models built once per session."""
 
 import os
+from pathlib import Path
 
 # Tests run on the CPU, in float32, with exact float32 matmuls, whatever machine runs them (with
 # libtpu installed, JAX would otherwise look for a TPU first). Compiles for TPU topologies load
@@ -39,3 +40,49 @@ started test_sharding.py, which has few tests, after two thirds of the run.)"""
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# ------------------------------------------------------------------ where the suite's time goes
+COMPILE_REPORT_ENV = "FOCUS_JAX_TEST_COMPILE_REPORT"
+"""With this set to a folder, each test process appends one JSON line per test there: its backend
+compiles (count, seconds) in this process, and its wall seconds (subprocesses not counted)."""
+
+
+@pytest.fixture(autouse=True)
+def _compile_report(request):
+    folder = os.environ.get(COMPILE_REPORT_ENV)
+    if not folder:
+        yield
+        return
+    import json
+    import time
+
+    from focus_jax.compilation import BACKEND_COMPILE
+
+    seconds = []
+    _listeners.append(lambda event, duration: event == BACKEND_COMPILE and seconds.append(duration))
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _listeners.pop()
+        row = {"test": request.node.nodeid, "wall_s": round(time.perf_counter() - start, 2),
+               "compiles": len(seconds), "compile_s": round(sum(seconds), 2)}
+        path = Path(folder) / f"{os.getpid()}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+_listeners: list = []
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    for listener in _listeners:
+        listener(event, duration)
+
+
+if os.environ.get(COMPILE_REPORT_ENV):
+    from jax import monitoring
+
+    monitoring.register_event_duration_secs_listener(_on_duration)

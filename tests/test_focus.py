@@ -17,6 +17,10 @@ from tests import focus_reference as ref
 
 BLOCK_SIZES = (4, 8, 16, 32, 64)
 
+# Compiled whole, as the step runs them (op by op, each case took seconds of small compiles).
+importance = jax.jit(policy.importance)
+select_retained = jax.jit(policy.select_retained)
+
 
 def random_masks(rng, slots, b):
     """Masks of every density, plus all masked and none masked."""
@@ -35,7 +39,7 @@ def test_importance_matches_numpy_reference(b, heads, kv_heads):
     q = rng.normal(size=(slots, b, heads, d)).astype(np.float32) * 2
     k = rng.normal(size=(slots, b, kv_heads, d)).astype(np.float32) * 2
     masked = random_masks(rng, slots, b)
-    got = np.asarray(policy.importance(jnp.asarray(q), jnp.asarray(k), jnp.asarray(masked)))
+    got = np.asarray(importance(jnp.asarray(q), jnp.asarray(k), jnp.asarray(masked)))
     want = np.stack([ref.importance(q[i], k[i], masked[i]) for i in range(slots)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # Each masked query spreads a total probability of 1 per head.
@@ -47,7 +51,7 @@ def test_importance_pools_over_neighbours_in_the_masked_list_not_raw_slots():
     q = rng.normal(size=(1, 8, 2, 4)).astype(np.float32)
     k = rng.normal(size=(1, 8, 2, 4)).astype(np.float32)
     masked = np.array([[True, False, False, True, False, True, True, False]])
-    got = np.asarray(policy.importance(jnp.asarray(q), jnp.asarray(k), jnp.asarray(masked)))[0]
+    got = np.asarray(importance(jnp.asarray(q), jnp.asarray(k), jnp.asarray(masked)))[0]
     np.testing.assert_allclose(got, ref.importance(q[0], k[0], masked[0]), rtol=1e-5)
     assert (got[~masked[0]] == 0).all()
 
@@ -71,8 +75,8 @@ def test_select_retained_matches_numpy_reference(b, kind, alpha):
     progress = rng.integers(-1, b, size=slots).astype(np.int32)
     progress[:8] = -1  # block start
     avg = rng.choice([1.0, 1.5, 4 / 3, 2.0, 3.7, 9.0], size=slots).astype(np.float32)
-    got = np.asarray(policy.select_retained(jnp.asarray(delta), jnp.asarray(masked),
-                                            jnp.asarray(progress), jnp.asarray(avg), alpha))
+    got = np.asarray(select_retained(jnp.asarray(delta), jnp.asarray(masked),
+                                     jnp.asarray(progress), jnp.asarray(avg), alpha))
     want = np.stack([ref.select_retained(delta[i], masked[i], int(progress[i]), float(avg[i]), alpha)
                      for i in range(slots)])
     np.testing.assert_array_equal(got, want)
@@ -80,7 +84,7 @@ def test_select_retained_matches_numpy_reference(b, kind, alpha):
 
 
 def test_selection_cases_by_hand():
-    sel = functools.partial(policy.select_retained, alpha=1.0)
+    sel = functools.partial(select_retained, alpha=1.0)
     one = lambda *rows: jnp.asarray([rows])
     # L <= K: nothing evicted.
     got = sel(one(0.0, 5.0), one(True, True), jnp.array([-1]), jnp.array([2.0]))
@@ -173,13 +177,29 @@ def test_the_commit_refresh_runs_every_slot_of_the_block_through_every_layer(mod
                for r in results)  # the denoising steps evicted
 
 
+@functools.partial(jax.jit, static_argnames=("eviction", "buckets"))
+def _retained_both_ways(eviction, state, processed, masked, first_layers, buckets):
+    """What the step retains (the evicting slots compacted into a slot bucket) and what the
+    policy retains over every slot's block: one program for every case of the test below (run
+    op by op, its hundreds of small ops compiled one by one took most of a minute)."""
+    from focus_jax import decoding
+    from focus_jax.compaction import Compaction
+
+    rows = Compaction(processed.reshape(-1), (processed.size,))
+    got = decoding._retained(eviction, state, processed, masked, rows, first_layers, buckets)
+    want = eviction.retained(
+        processed, masked,
+        tuple(rows.to_flat(a).reshape(*processed.shape, *a.shape[1:]) for a in first_layers),
+        state.progress, decoding.decoded_per_step(state), state.params.alpha)
+    return got, want
+
+
 @pytest.mark.parametrize("live", [0, 1, 3, 16])
 def test_eviction_on_the_evicting_slots_alone_equals_eviction_over_every_slot(live):
     """The step runs the eviction policy on the slots that have masked processed tokens,
     compacted into a slot bucket, with their queries and keys gathered from the processed rows'
     compact order. It must retain exactly what the policy retains over every slot's block."""
     from focus_jax import decoding
-    from focus_jax.compaction import Compaction
     from focus_jax.policies import FocusEviction
     from focus_jax.testing import tiny_model
 
@@ -198,7 +218,6 @@ def test_eviction_on_the_evicting_slots_alone_equals_eviction_over_every_slot(li
         params=dataclasses.replace(state.params,
                                    alpha=jnp.asarray(rng.choice([1.0, 1.5], slots),
                                                      jnp.float32)))
-    rows = Compaction(jnp.asarray(processed.reshape(-1)), (slots * b,))
     count = int(processed.sum())
     # The first layers' queries and keys in compact order: the processed rows first, then
     # padding (what the step hands on).
@@ -207,14 +226,8 @@ def test_eviction_on_the_evicting_slots_alone_equals_eviction_over_every_slot(li
         jnp.asarray(np.concatenate([rng.normal(size=(count, *shape)),
                                     np.zeros((slots * b - count, *shape))]), jnp.float32)
         for shape in shapes)
-    eviction = FocusEviction(kernels="xla")
-
-    got = decoding._retained(eviction, state, jnp.asarray(processed), jnp.asarray(masked), rows,
-                             first_layers, (2, 4, 8, slots))
-    want = eviction.retained(
-        jnp.asarray(processed), jnp.asarray(masked),
-        tuple(rows.to_flat(a).reshape(slots, b, *a.shape[1:]) for a in first_layers),
-        state.progress, decoding.decoded_per_step(state), state.params.alpha)
+    got, want = _retained_both_ways(FocusEviction(kernels="xla"), state, jnp.asarray(processed),
+                                    jnp.asarray(masked), first_layers, (2, 4, 8, slots))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not (np.asarray(got) & ~processed).any()
     if live:

@@ -100,12 +100,13 @@ def test_no_prompts_and_a_wrong_config_are_refused(model):
 
 def test_numpy_token_ids_are_taken_like_lists(model):
     ids = [20, 21, 22, 23, 24]
-    [expected] = focus_jax.generate(model, ids, SMALL)
+    config = SMALL.replace(max_batch=2)  # one engine shape for every call: one compile
+    [expected] = focus_jax.generate(model, ids, config)
     for prompt in (np.array(ids), np.array(ids, np.int32), [np.int64(t) for t in ids]):
-        [result] = focus_jax.generate(model, prompt, SMALL)
+        [result] = focus_jax.generate(model, prompt, config)
         assert result.token_ids == expected.token_ids
     # A 2-D array is a list of prompts, one per row.
-    rows = focus_jax.generate(model, np.array([ids, ids[::-1]]), SMALL)
+    rows = focus_jax.generate(model, np.array([ids, ids[::-1]]), config)
     assert len(rows) == 2 and rows[0].token_ids == expected.token_ids
 
 
