@@ -65,7 +65,11 @@ class _Uncached:
         self.model, self.b = model, block_size
 
     def block_logits(self, seq: list[int], is_masked: list[bool], history: int) -> np.ndarray:
-        logits = self.model.logits(np.array([seq]), self.b)
+        # Padded with whole blocks of masks to a few lengths (a few compiles): under the
+        # block-causal mask no earlier position sees a later block.
+        size = max(64, 1 << (len(seq) - 1).bit_length())
+        padded = seq + [self.model.mask_token_id] * (size - len(seq))
+        logits = self.model.logits(np.array([padded]), self.b)
         return np.asarray(logits)[0, history:history + self.b]
 
     def commit(self, seq: list[int], history: int) -> None:

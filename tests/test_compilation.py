@@ -246,7 +246,8 @@ def test_settings_beyond_the_cap_release_their_compiled_programs(model, monkeypa
 
 def test_the_bucket_ladder_does_not_change_the_bundled_models_tokens_in_float32():
     """Buckets pad the same rows to other sizes: on the CPU the bundled model's answers, in
-    float32, are the same token for token with one bucket, the CPU ladder's four and eight.
+    float32, are the same token for token with one bucket and with eight (every size of the
+    shorter ladders, the CPU's among them).
     (In bfloat16 another row count rounds differently and can flip a near tie: with the commit
     refresh one of these eight answers does; docs/startup.md, "One decode program per
     engine".)"""
@@ -257,7 +258,7 @@ def test_the_bucket_ladder_does_not_change_the_bundled_models_tokens_in_float32(
     model = focus_jax.load(BUNDLED_MODEL, dtype="float32")
     questions = [e.question for e in tasks.held_out(2, tasks=tasks.WORKED)[:8]]
     answers = {}
-    for ladder in [(1.0,), (0.25, 0.5, 0.75, 1.0), tuple(k / 8 for k in range(1, 9))]:
+    for ladder in [(1.0,), tuple(k / 8 for k in range(1, 9))]:
         config = GenerationConfig(mode="focus", max_new_tokens=64, bucket_ladder=ladder)
         answers[ladder] = [r.token_ids for r in focus_jax.generate(model, questions, config)]
     first, *others = answers.values()
