@@ -5,6 +5,7 @@ on an NVIDIA GPU with jax-triton installed; on the H200:
 ``make test-gpu``.
 """
 
+import functools
 import importlib.util
 
 import jax
@@ -25,6 +26,12 @@ from pallas_kernels.ragged_attention import reference as attention_reference
 # (query heads per KV head, head dim, block size): every GQA group, both head dims, B 4..64.
 SHAPES = [(1, 64, 4), (2, 128, 8), (4, 64, 16), (8, 128, 32), (2, 64, 64)]
 HEADS = 8
+
+
+def whole(fn, *args, **settings):
+    """``fn(*args, **settings)`` compiled as one program (``settings`` static), as a caller's
+    step runs it: op by op, every case compiled each of its small ops for its shapes."""
+    return jax.jit(functools.partial(fn, **settings))(*args)
 
 ON_GPU = jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
 GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(
@@ -64,8 +71,8 @@ def test_importance_kernel_matches_reference(group, head_dim, block, impl, dtype
     masked = rng.uniform(size=(slots, block)) < rng.uniform(0.2, 0.9, size=(slots, 1))
     masked[0], masked[1] = True, False  # every slot masked; none masked
     masked = jnp.asarray(masked)
-    got = focus_importance(q, k, masked, impl=impl)
-    want = importance_reference.importance(q, k, masked)
+    got = whole(focus_importance, q, k, masked, impl=impl)
+    want = whole(importance_reference.importance, q, k, masked)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tolerance, atol=tolerance)
 
 
@@ -90,8 +97,8 @@ def test_ragged_attention_kernel_matches_reference(group, head_dim, block, impl,
     q = jnp.asarray(rng.normal(size=(size, HEADS, head_dim)), dtype)
     args = (q, rows, valid, *cache, 1, jnp.asarray(kv_len))
     options = {"block_kv": 64} if impl.startswith("pallas_tpu") else {}
-    got = ragged_attention(*args, block_size=block, impl=impl, **options)
-    want = attention_reference.ragged_attention(*args, block_size=block)
+    got = whole(ragged_attention, *args, block_size=block, impl=impl, **options)
+    want = whole(attention_reference.ragged_attention, *args, block_size=block)
     if not impl.endswith("interpret"):  # the rows' slot layout computed by the caller
         layout = attention_reference.slot_layout(rows, valid, slots, block)
         given = ragged_attention(*args, block_size=block, impl=impl, layout=layout, **options)
@@ -134,8 +141,8 @@ def test_paged_attention_kernel_matches_reference_with_holes_reordered_and_share
     q = jnp.asarray(rng.normal(size=(size, HEADS, head_dim)), dtype)
     args = (q, rows, valid, *pool, jnp.asarray(table), 1, jnp.asarray(kv_len))
     options = {"pages_per_block": 3} if impl.startswith("pallas_tpu") else {}
-    got = paged_attention(*args, block_size=block, impl=impl, **options)
-    want = paged_reference.paged_attention(*args, block_size=block)
+    got = whole(paged_attention, *args, block_size=block, impl=impl, **options)
+    want = whole(paged_reference.paged_attention, *args, block_size=block)
     valid = np.asarray(valid)
     got, want = (np.asarray(a.astype(jnp.float32)) for a in (got, want))
     np.testing.assert_allclose(got[valid], want[valid], rtol=tolerance, atol=tolerance)
@@ -173,9 +180,10 @@ def test_pallas_triton_attention_over_occupied_slots_matches_reference(impl, occ
     assert np.asarray(layout.occupied).tolist() == (
         [3, 9, 15] + [slots] * (len(layout.occupied) - 3) if occupancy == "few"
         else [0, 5, 6, 11, 14])
-    got = ragged_attention(*args, block_size=block, impl=impl, kv_splits=kv_splits,
-                           layout=layout)
-    want = attention_reference.ragged_attention(*args, block_size=block)
+    got = jax.jit(lambda *args, layout: ragged_attention(
+        *args, block_size=block, impl=impl, kv_splits=kv_splits, layout=layout))(*args,
+                                                                                 layout=layout)
+    want = whole(attention_reference.ragged_attention, *args, block_size=block)
     valid = np.asarray(valid)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5,
                                atol=2e-5)
