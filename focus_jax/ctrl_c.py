@@ -55,12 +55,24 @@ def exit_promptly() -> Iterator[None]:
                 print(MESSAGE, file=sys.stderr, flush=True)
                 exit_now()
 
+    # A KeyboardInterrupt raised where Python cannot propagate it (a garbage-collector callback,
+    # such as the one JAX registers, or a __del__) would print "Exception ignored in ..." and a
+    # traceback, and the main thread would go on: the watcher ends the process within the grace
+    # time with the one line, so those are not printed.
+    unraisable_hook = sys.unraisablehook
+
+    def quiet_interrupts(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            unraisable_hook(unraisable)
+
+    sys.unraisablehook = quiet_interrupts
     watcher = threading.Thread(target=watch, name="focus-jax-ctrl-c", daemon=True)
     watcher.start()
     try:
         yield
     finally:
         left.set()
+        sys.unraisablehook = unraisable_hook
         signal.set_wakeup_fd(previous)
         os.write(write, _STOP)
         watcher.join()

@@ -239,6 +239,36 @@ def test_serve_on_a_cpu_defaults_to_4_slots_of_256_positions(monkeypatch):
     assert seen == {"slots": 4, "cache_len": 256}
 
 
+def test_an_interrupt_python_cannot_propagate_prints_no_traceback(monkeypatch):
+    """Ctrl-C can land in a garbage-collector callback (JAX registers one) or a ``__del__``,
+    where Python prints "Exception ignored in ..." and a traceback and goes on: inside
+    ``exit_promptly`` such a KeyboardInterrupt is not printed (the signal's watcher ends the
+    process with its one line); any other exception there still reaches the usual hook."""
+    import gc
+    import sys
+
+    from focus_jax.ctrl_c import exit_promptly
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(type(u.exc_value)))
+
+    class RaisesWhenCollected:
+        def __init__(self, error):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    with exit_promptly():
+        for error in (KeyboardInterrupt, ValueError):
+            RaisesWhenCollected(error)
+            gc.collect()
+    assert reported == [ValueError]
+    RaisesWhenCollected(KeyboardInterrupt)
+    gc.collect()
+    assert reported == [ValueError, KeyboardInterrupt]  # outside the block: the usual hook
+
+
 def test_ctrl_c_inside_a_compile_ends_generate_within_seconds(tmp_path):
     """A compile does not return to Python for seconds (a minute for SDAR-8B on a GPU): the
     signal itself ends the command (focus_jax.ctrl_c), with one line and status 130."""
