@@ -135,6 +135,12 @@ def test_decode_round_temporaries_do_not_grow_with_depth():
     assert deep - shallow < four_layers / 4, (shallow, deep, four_layers)
 
 
+IN_PLACE_READERS = ("%dynamic-slice-fusion", "%gemm_fusion", "%triton_gemm")
+"""The fused computations of XLA's GPU HLO that read a slice where it lies: a dynamic-slice
+fusion (the operand of a cuBLAS GEMM), or a GEMM fusion that slices (and converts) its operand
+inside the GEMM's own kernel."""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's GPU dynamic-slice fusion")
 @pytest.mark.parametrize("quantize", [None, "int8", "fp8"])
@@ -164,7 +170,7 @@ def test_gpu_layer_loop_reads_weights_in_place(mode, quantize):
             computation = line.split()[0]
         result = line.split("=", 1)[1].split()[0].split("{")[0] if " = " in line else ""
         if " dynamic-slice(" in line and result in layer_matrices:
-            if computation.startswith("%dynamic-slice-fusion"):
+            if computation.startswith(IN_PLACE_READERS):
                 in_place += 1
             elif "concatenate" not in computation:
                 copied.append((computation, line.strip()[:160]))

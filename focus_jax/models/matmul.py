@@ -11,11 +11,12 @@ model (:class:`~focus_jax.config.Quantization`) a qwix ``QArray`` of two paramet
   scale per output channel (and per layer of a stack, per expert), symmetric (absolute maximum
   over the contracted axes), so that ``weight ~= qvalue * scale``.
 
-The products are qwix's (``qwix.einsum``, ``qwix.ragged_dot`` through the grouped matmul's
-backends): with plain activations qwix dequantizes the weight into the matmul (for XLA to fuse
-the convert and the multiply into its GEMM: ``scripts/inspect_round.py --quantize`` shows
-whether it did); with 8-bit activations (``activations_from``) both operands are 8-bit and the
-scales multiply the product.
+With plain activations the weight's 8-bit values enter the matmul converted to the
+activations' dtype and the scale multiplies the product's output channels (so that XLA can
+fuse the convert into its GEMM rather than write a dequantized copy of each layer's weight,
+which qwix's dequantize-then-multiply made it do on the H200); with 8-bit activations
+(``activations_from``) both operands are 8-bit (``qwix.einsum``) and the scales multiply the
+product. The experts' grouped matmul takes qwix's ``ragged_dot`` through its backends.
 """
 
 from __future__ import annotations
@@ -109,7 +110,28 @@ def project(spec: str, x: Float[Array, "..."], w: Weight, quantization: Quantiza
     if (quantization is not None and quantization.activations_from is not None
             and rows >= quantization.activations_from):
         x = qwix.quantize(x, w.qtype, channelwise_axes=tuple(range(x.ndim - contracted)))
-    return qwix.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        return qwix.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    return _scaled_after(spec, x, w, preferred_element_type)
+
+
+def _scaled_after(spec: str, x: Float[Array, "..."], w: qwix.QArray,
+                  preferred_element_type: jnp.dtype | None) -> Float[Array, "..."]:
+    """``einsum(spec, x, qvalue * scale)`` as ``einsum(spec, x, qvalue) * scale``: the scale is
+    constant along the contracted axes, so it multiplies the product's output channels instead
+    of the weight. The weight enters the matmul as its 8-bit values converted to the
+    activations' dtype (exact for int8 and FP8 e4m3 in bfloat16), which XLA can fuse into its
+    GEMM, so that no dequantized copy of the weight is written; the product accumulates in
+    float32 and is scaled there."""
+    inputs, output = spec.replace(" ", "").split("->")
+    weight_axes = inputs.split(",")[1]
+    kept = "".join(name for name in weight_axes if name in output)
+    scale = w.scale.reshape([n for name, n in zip(weight_axes, w.scale.shape, strict=True)
+                             if name in kept])
+    product = jnp.einsum(spec, x, w.qvalue.astype(x.dtype),
+                         preferred_element_type=jnp.float32)
+    out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.scale.dtype)
+    return jnp.einsum(f"{output},{kept}->{output}", product,
+                      scale.astype(jnp.float32)).astype(out_dtype)
 
 
 def grouped(x: Float[Array, "m k"], w: Float[Array, "g k n"] | qwix.QArray,
