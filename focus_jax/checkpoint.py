@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,13 @@ def load(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
     folder converted with ``--quantize`` loads quantized without it.
 
     The same as :func:`load_weights` of :func:`describe`: a caller can compile programs for
-    the described model while its weights load (``focus-jax serve`` does).
+    the described model while its weights load (``focus-jax serve`` does). The tokenizer loads
+    beside the weights (:class:`TokenizerLoad`).
     """
     _check_quantization(quantize, mesh)
-    return load_weights(describe(path, dtype=dtype, tokenizer=tokenizer, mesh=mesh), path,
-                        mesh=mesh, quantize=quantize)
+    pending = TokenizerLoad(path) if tokenizer else None
+    return load_weights(describe(path, dtype=dtype, tokenizer=pending or False, mesh=mesh), path,
+                        mesh=mesh, quantize=quantize, tokenizer=pending)
 
 
 def _check_quantization(quantize: str | Quantization | None, mesh: Mesh | None
@@ -73,25 +76,26 @@ def _check_quantization(quantize: str | Quantization | None, mesh: Mesh | None
     return quantization
 
 
-def describe(path: str | Path, *, dtype: str | None = None, tokenizer: bool = True,
-             mesh: Mesh | None = None) -> Model:
+def describe(path: str | Path, *, dtype: str | None = None,
+             tokenizer: bool | TokenizerLoad = True, mesh: Mesh | None = None) -> Model:
     """The folder's model with its weights' shapes only (nothing read but config.json and the
     tokenizer, nothing allocated): an engine of it compiles the programs that the loaded
     model's engine then finds compiled (the weights load as unquantized, unsharded arrays of
-    exactly these shapes). The folder is checked as :func:`load` checks it."""
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise ConfigError(f"model folder {folder} does not exist (focus_jax loads local paths "
-                          f"only: download the checkpoint first, see checkpoints/README.md)")
-    if not folder.is_dir():
-        raise ConfigError(f"{folder} is a file; give the folder that holds config.json")
+    exactly these shapes). The folder is checked as :func:`load` checks it.
+
+    ``tokenizer``: load it (``True``), or not; or a :class:`TokenizerLoad` of the folder, still
+    loading: the model is then described without its tokenizer (only the mask token's id is
+    needed, read from the tokenizer's files where they name it), and :func:`load_weights` with
+    the same ``tokenizer`` adds it."""
+    folder = _model_folder(path)
     try:
         cfg = ModelConfig.from_file(folder / "config.json", dtype=dtype)
     except UnicodeDecodeError as err:
         raise not_utf8(folder / "config.json", err) from None
-    tok = load_tokenizer(folder) if tokenizer else None
+    pending = tokenizer if isinstance(tokenizer, TokenizerLoad) else None
+    tok = load_tokenizer(folder) if tokenizer is True else None
     if cfg.mask_token_id is None:
-        mask = getattr(tok, "mask_token_id", None)
+        mask = pending.mask_token_id() if pending else getattr(tok, "mask_token_id", None)
         default = family(cfg.model_type).default_mask_token_ids.get(cfg.model_type)
         if mask is None and default is not None and cfg.vocab_size > default:
             mask = default
@@ -102,8 +106,10 @@ def describe(path: str | Path, *, dtype: str | None = None, tokenizer: bool = Tr
 
 
 def load_weights(described: Model, path: str | Path, *, mesh: Mesh | None = None,
-                 quantize: str | Quantization | None = None) -> Model:
-    """``described`` (:func:`describe` of the folder ``path``) with the folder's weights."""
+                 quantize: str | Quantization | None = None,
+                 tokenizer: TokenizerLoad | None = None) -> Model:
+    """``described`` (:func:`describe` of the folder ``path``) with the folder's weights, and
+    with the tokenizer of ``tokenizer`` (waited for once the weights are in) where given."""
     quantization = _check_quantization(quantize, mesh)
     folder, cfg = Path(path).expanduser(), described.config
     if (folder / PARAMS_DIR).is_dir():
@@ -114,8 +120,106 @@ def load_weights(described: Model, path: str | Path, *, mesh: Mesh | None = None
                           f"focus-jax convert --quantize)")
     else:
         decoder = load_safetensors(folder, cfg, mesh)
-    model = Model.from_decoder(decoder, described.tokenizer, described.stop_token_ids)
+    if tokenizer is not None:
+        tok = tokenizer.result()
+        model = Model.from_decoder(decoder, tok, stop_token_ids(folder, tok))
+        tokenizer.check_mask(model.config)
+    else:
+        model = Model.from_decoder(decoder, described.tokenizer, described.stop_token_ids)
     return model if quantization is None else quantize_model(model, quantization, mesh)
+
+
+def _model_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ConfigError(f"model folder {folder} does not exist (focus_jax loads local paths "
+                          f"only: download the checkpoint first, see checkpoints/README.md)")
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is a file; give the folder that holds config.json")
+    return folder
+
+
+class TokenizerLoad:
+    """A model folder's tokenizer, loading on a thread of its own from construction on.
+
+    transformers' tokenizer classes import torch wherever it is installed: about 10 s of a
+    GPU machine's start (docs/startup.md), which the weights' load and the programs' compile
+    need not wait for. Only the mask token's id enters a compiled program, and
+    :meth:`mask_token_id` reads it from the tokenizer's files where they name it. Raises
+    :class:`ConfigError` at once when the folder has no tokenizer; the load's own error is
+    raised by :meth:`result`."""
+
+    def __init__(self, path: str | Path):
+        self.folder = _model_folder(path)
+        _require_tokenizer(self.folder)
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._mask_from_files: int | None = None
+        # A daemon: a process that ends early (a bad option) does not wait for the import.
+        threading.Thread(target=self._load, name="focus-jax-tokenizer", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self._value = load_tokenizer(self.folder)
+        except BaseException as err:  # raised again in the caller's thread by result()
+            self._error = err
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        """The tokenizer, once loaded."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def mask_token_id(self) -> int | None:
+        """The mask token's id: from the tokenizer's files where they name it, without waiting
+        for the load; otherwise the loaded tokenizer's (``None`` where it has none)."""
+        self._mask_from_files = mask_token_id_from_files(self.folder)
+        if self._mask_from_files is not None:
+            return self._mask_from_files
+        return getattr(self.result(), "mask_token_id", None)
+
+    def check_mask(self, config: ModelConfig) -> None:
+        """The loaded tokenizer gives the mask id that its files gave (a check of
+        :func:`mask_token_id_from_files`: the programs were compiled with it)."""
+        if self._mask_from_files is None or config.mask_token_id != self._mask_from_files:
+            return
+        loaded = getattr(self.result(), "mask_token_id", None)
+        if loaded is not None and loaded != self._mask_from_files:
+            raise ConfigError(f"the tokenizer in {self.folder} gives mask token id {loaded}, its "
+                              f"files {self._mask_from_files}; set mask_token_id in config.json")
+
+
+def mask_token_id_from_files(folder: Path) -> int | None:
+    """The id of the mask token that ``tokenizer_config.json`` names (``mask_token``), looked up
+    in its ``added_tokens_decoder`` or in ``tokenizer.json``'s ``added_tokens``; ``None`` where
+    the files do not say (the loaded tokenizer then decides)."""
+    config_file = folder / "tokenizer_config.json"
+    config = read_json(config_file) if config_file.exists() else {}
+    mask = config.get("mask_token") if isinstance(config, dict) else None
+    if isinstance(mask, dict):
+        mask = mask.get("content")
+    if not isinstance(mask, str) or not mask:
+        return None
+    added = config.get("added_tokens_decoder")
+    entries = ([{"id": key, **entry} for key, entry in added.items() if isinstance(entry, dict)]
+               if isinstance(added, dict) else [])
+    if not entries and (folder / "tokenizer.json").exists():
+        content = read_json(folder / "tokenizer.json")
+        if isinstance(content, dict) and isinstance(content.get("added_tokens"), list):
+            entries = content["added_tokens"]
+    ids = {str(e.get("id")) for e in entries if isinstance(e, dict) and e.get("content") == mask}
+    return int(next(iter(ids))) if len(ids) == 1 and next(iter(ids)).isdigit() else None
+
+
+def _require_tokenizer(folder: Path) -> None:
+    if not has_tokenizer(folder):
+        raise ConfigError(f"{folder} holds no tokenizer (tokenizer.json / tokenizer_config.json); "
+                          f"copy the tokenizer files next to config.json, or load with "
+                          f"tokenizer=False and pass token ids")
 
 
 def has_tokenizer(folder: Path) -> bool:
@@ -126,10 +230,7 @@ def has_tokenizer(folder: Path) -> bool:
 def load_tokenizer(folder: Path) -> Any:
     """The folder's tokenizer (``transformers``), or a clear error when it has none, when a file
     of it is not JSON, or when ``tokenizer_config.json`` names a file the folder lacks."""
-    if not has_tokenizer(folder):
-        raise ConfigError(f"{folder} holds no tokenizer (tokenizer.json / tokenizer_config.json); "
-                          f"copy the tokenizer files next to config.json, or load with "
-                          f"tokenizer=False and pass token ids")
+    _require_tokenizer(folder)
     config_file = folder / "tokenizer_config.json"
     if config_file.exists():
         _check_named_files(config_file, read_json(config_file))

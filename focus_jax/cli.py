@@ -35,6 +35,7 @@ from focus_jax.tasks import HELD_OUT_SEED, WORKED
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
+    from focus_jax.checkpoint import TokenizerLoad
     from focus_jax.engine import Engine
     from focus_jax.model import Model
 
@@ -660,9 +661,11 @@ def _serve_setting(args: argparse.Namespace, cfg: ModelConfig, on_cpu: bool
 
 
 def _load_and_compile(described: Model, path: Path, config: GenerationConfig, slots: int,
-                      context: int, mesh: Mesh | None, quantization: Quantization | None) -> Engine:
-    """The warmed-up engine of the folder ``path`` (``described``: its :func:`describe`), its
-    load and start-up reported on stderr. The programs need the weights' shapes only: they
+                      context: int, mesh: Mesh | None, quantization: Quantization | None,
+                      tokenizer: TokenizerLoad) -> Engine:
+    """The warmed-up engine of the folder ``path`` (``described``: its :func:`describe`, with
+    ``tokenizer`` still loading), its load and start-up reported on stderr. The programs need
+    the weights' shapes only: they
     compile while the weights load (not for weights quantized as they load, nor onto a mesh). A
     paged pool sized by the memory left after the weights is sized once, from the description,
     for both engines."""
@@ -680,7 +683,8 @@ def _load_and_compile(described: Model, path: Path, config: GenerationConfig, sl
                 if compiler.scheduler.pool is not None:
                     config = config.replace(kv_pages=compiler.scheduler.pool.total)
                 ahead = compile_ahead(compiler)
-            model = load_weights(described, path, mesh=mesh, quantize=quantization)
+            model = load_weights(described, path, mesh=mesh, quantize=quantization,
+                                 tokenizer=tokenizer)
             jax.block_until_ready(model.params)
             print(f"focus-jax serve: model loaded in {time.perf_counter() - began:.1f} s",
                   file=sys.stderr, flush=True)
@@ -702,7 +706,7 @@ def _load_and_compile(described: Model, path: Path, config: GenerationConfig, sl
 def cmd_serve(args: argparse.Namespace) -> int:
     import jax
 
-    from focus_jax.checkpoint import describe
+    from focus_jax.checkpoint import TokenizerLoad, describe
     from focus_jax.engine import AsyncEngine
     from focus_jax.sharding import make_mesh, parse_mesh
 
@@ -726,15 +730,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
     _compile_cache(args)  # before loading: on an accelerator the loader compiles its conversions
     path = _model_path(args.model)
-    described = describe(path, dtype=args.dtype, mesh=mesh)
-    if described.tokenizer is None:
-        raise ConfigError("the model folder has no tokenizer, which the server needs")
+    # The tokenizer loads beside the compile and the weights (transformers imports torch where
+    # it is installed: seconds on a GPU machine); the server needs it.
+    tokenizer = TokenizerLoad(path)
+    described = describe(path, dtype=args.dtype, mesh=mesh, tokenizer=tokenizer)
     on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
     slots, context, config = _serve_setting(args, described.config, on_cpu)
     name = args.served_model_name or path.resolve().name
     print(f"focus-jax serve: loading {name!r} and compiling every program for {slots} slots x "
           f"{context} positions, {args.mode} mode ...", file=sys.stderr, flush=True)
-    engine = _load_and_compile(described, path, config, slots, context, mesh, _quantization(args))
+    engine = _load_and_compile(described, path, config, slots, context, mesh, _quantization(args),
+                               tokenizer)
     app = create_app(AsyncEngine(engine, max_queue=args.max_queue),
                      ServeSettings(model_name=name, api_key=args.api_key,
                                    grace_seconds=args.grace_period))

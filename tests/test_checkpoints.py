@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import jax
@@ -118,6 +119,81 @@ def test_missing_weights_and_missing_tokenizer_are_clear_errors(hf_folder):
     (hf_folder / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
         focus_jax.load(hf_folder, tokenizer=False)
+
+
+def _special(content: str) -> dict:
+    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+
+
+def _qwen2_style_tokenizer(folder: Path, mask: str | None = "<|MASK|>") -> None:
+    """SDAR's tokenizer layout, tiny: vocab.json, merges.txt, and a tokenizer_config.json that
+    names its mask token and gives its id in added_tokens_decoder."""
+    (folder / "vocab.json").write_text(json.dumps({ch: i for i, ch in enumerate("abcdefgh")}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>",
+              "added_tokens_decoder": {"8": _special("<|endoftext|>"), "9": _special("<|MASK|>")}}
+    if mask is not None:
+        config["mask_token"] = mask
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_the_mask_id_read_from_the_tokenizer_files_is_the_loaded_tokenizers(tmp_path):
+    from focus_jax.checkpoint import load_tokenizer, mask_token_id_from_files
+
+    # tokenizer.json's added_tokens (the bundled model), added_tokens_decoder (SDAR's layout)
+    sdar = tmp_path / "sdar"
+    sdar.mkdir()
+    _qwen2_style_tokenizer(sdar)
+    for folder in (focus_jax.BUNDLED_MODEL, sdar):
+        assert mask_token_id_from_files(folder) == load_tokenizer(folder).mask_token_id
+    assert mask_token_id_from_files(sdar) == 9
+    unnamed = tmp_path / "unnamed"  # no mask_token: the files do not say, the tokenizer decides
+    unnamed.mkdir()
+    _qwen2_style_tokenizer(unnamed, mask=None)
+    assert mask_token_id_from_files(unnamed) is None
+
+
+def test_a_folder_is_described_and_its_weights_loaded_while_its_tokenizer_still_loads(
+        hf_folder, monkeypatch):
+    from focus_jax import checkpoint
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    del config["mask_token_id"]  # the mask comes from the tokenizer's files
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    expected = focus_jax.load(hf_folder, dtype="float32")
+    release, original = threading.Event(), checkpoint.load_tokenizer
+
+    def slow_load(folder):
+        assert release.wait(timeout=60)
+        return original(folder)
+
+    monkeypatch.setattr(checkpoint, "load_tokenizer", slow_load)
+    pending = checkpoint.TokenizerLoad(hf_folder)
+    described = checkpoint.describe(hf_folder, dtype="float32", tokenizer=pending)
+    assert described.tokenizer is None and described.mask_token_id == expected.mask_token_id == 2
+    release.set()
+    model = checkpoint.load_weights(described, hf_folder, tokenizer=pending)
+    assert model.tokenizer is pending.result()
+    assert model.tokenizer.encode("abc") == expected.tokenizer.encode("abc")
+    assert model.stop_token_ids == expected.stop_token_ids and model.mask_token_id == 2
+    np.testing.assert_array_equal(np.asarray(model.logits(tokens(), 4)),
+                                  np.asarray(expected.logits(tokens(), 4)))
+
+
+def test_a_tokenizer_that_disagrees_with_its_files_on_the_mask_is_a_clear_error(hf_folder,
+                                                                                 monkeypatch):
+    from focus_jax import checkpoint
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    del config["mask_token_id"]
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    loaded = checkpoint.load_tokenizer(hf_folder)
+    monkeypatch.setattr(checkpoint, "load_tokenizer",
+                        lambda folder: type("Other", (), {"mask_token_id": 3,
+                                                          "eos_token_id": loaded.eos_token_id})())
+    with pytest.raises(ConfigError, match="gives mask token id 3, its files 2"):
+        focus_jax.load(hf_folder, dtype="float32")
 
 
 def test_prompt_longer_than_the_cache_is_a_clear_error(model):

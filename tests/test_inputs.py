@@ -301,7 +301,7 @@ def test_the_server_sizes_a_memory_sized_pool_once_for_the_compile_and_the_loade
     weights are on the device than after: the server sizes it once, from the description, so
     the loaded engine's programs are those compiled while it loaded (one round compiled)."""
     from focus_jax import cli
-    from focus_jax.checkpoint import describe
+    from focus_jax.checkpoint import TokenizerLoad, describe
     from focus_jax.engine import core
     from focus_jax.engine.runner import is_abstract
 
@@ -309,10 +309,12 @@ def test_the_server_sizes_a_memory_sized_pool_once_for_the_compile_and_the_loade
         return config.kv_pages or (12 if is_abstract(model.params) else 10)
 
     monkeypatch.setattr(core, "pool_pages", pool_pages)
-    described = describe(cli.BUNDLED_MODEL)
+    tokenizer = TokenizerLoad(cli.BUNDLED_MODEL)  # as the server: loading beside the rest
+    described = describe(cli.BUNDLED_MODEL, tokenizer=tokenizer)
     config = GenerationConfig(mode="focus", max_new_tokens=8, kv_cache="paged")
     with count_compilations() as seen:
-        engine = cli._load_and_compile(described, cli.BUNDLED_MODEL, config, 2, 40, None, None)
+        engine = cli._load_and_compile(described, cli.BUNDLED_MODEL, config, 2, 40, None, None,
+                                       tokenizer)
     assert engine.scheduler.pool.total == 12
     assert seen.names.count("jit(decode_round)") == 1, seen.names
 
