@@ -264,6 +264,38 @@ def test_weights_and_decode_state_that_do_not_fit_the_device_are_a_clear_error(m
         Engine(model, GenerationConfig(block_size=4), slots=8, cache_len=256)
 
 
+def test_a_device_out_of_memory_for_the_warm_ups_temporaries_is_a_one_line_error(model,
+                                                                                 monkeypatch):
+    """XLA's allocation failure while the warm-up runs a program (its temporaries are not in
+    the checked weights and decode state) becomes a ConfigError naming the shape; other
+    runtime errors pass through."""
+    import jax
+
+    from focus_jax import compilation
+    from focus_jax.engine import Engine
+
+    engine = Engine(model, GenerationConfig(block_size=4), slots=8, cache_len=256)
+    monkeypatch.setattr(compilation, "compile_together", lambda *args, **kwargs: None)
+
+    def fail(message):
+        def run(*args):
+            raise jax.errors.JaxRuntimeError(message)
+        return run
+
+    oom = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 19.12GiB with allocator "
+           "GPU_0_bfc on device 0. [executable_name='jit_decode_round'] "
+           "[tf-allocator-allocation-error='']")
+    monkeypatch.setattr(engine.runner, "_run_prefill", fail(oom))
+    with pytest.raises(ConfigError) as refused:
+        engine.warmup(prompt_lengths=[5])
+    message = str(refused.value)
+    assert "out of memory warming up 8 slots x 256 cache positions" in message, message
+    assert "allocate 19.12GiB" in message and "fewer slots" in message and "\n" not in message
+    monkeypatch.setattr(engine.runner, "_run_prefill", fail("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        engine.warmup(prompt_lengths=[5])
+
+
 def test_generate_on_a_device_too_small_for_the_request_is_a_one_line_error(monkeypatch,
                                                                             capsys):
     import jax

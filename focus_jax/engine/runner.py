@@ -3,6 +3,7 @@ programs (prefill into slots, release of slots, the decode round) and nothing el
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -313,15 +314,32 @@ class Runner:
             compilation.compile_together(self._programs(padding, after_prefix))
         if not run:
             return
-        for args in padding:
-            self._run_prefill(*args)
-        for args, static in after_prefix:
-            self.state = self._prefix_prefill(self.model.params, self.state, *args, **static)
-        self.release([])
-        if self.pages is not None:
-            self.assign_pages([])
-        self.state, _, _ = self._round(*self._round_args(False))
-        jax.block_until_ready(self.state)
+        with self._out_of_memory_as_config_error():
+            for args in padding:
+                self._run_prefill(*args)
+            for args, static in after_prefix:
+                self.state = self._prefix_prefill(self.model.params, self.state, *args, **static)
+            self.release([])
+            if self.pages is not None:
+                self.assign_pages([])
+            self.state, _, _ = self._round(*self._round_args(False))
+            jax.block_until_ready(self.state)
+
+    @contextlib.contextmanager
+    def _out_of_memory_as_config_error(self):
+        """The warm-up's runs allocate each program's temporaries (the round's logits and
+        activations, which :func:`check_memory_fits` does not count): a device that cannot hold
+        them is a one-line error that names the shape, not XLA's traceback."""
+        try:
+            yield
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            reason = str(err).split("[")[0].strip().removeprefix("RESOURCE_EXHAUSTED: ")
+            raise ConfigError(
+                f"the device ran out of memory warming up {self.slots} slots x {self.cache_len} "
+                f"cache positions ({reason.rstrip('.')}): use fewer slots (batch size), a "
+                f"shorter cache (max_model_len) or more devices") from None
 
     def programs(self, prompt_lengths: Sequence[int] | None = None, prefix: bool = False
                  ) -> list[tuple]:
