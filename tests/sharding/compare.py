@@ -159,8 +159,8 @@ def compare(mode: str, temperature: float = 0.0,
                         cache_len=32, mesh=make_mesh(data, parallel))
         ids = [engine.add_request(p, SamplingParams.from_config(config, seed=config.seed + i))
                for i, p in enumerate(prompts)]
-        steps = interrupted_rounds(engine) if interrupted else None
-        results = run_to_completion(engine)
+        steps, results = interrupted_rounds(engine) if interrupted else (None, {})
+        results |= run_to_completion(engine)
         equal = [results[i].token_ids for i in ids] == single
         if interrupted:
             print(json.dumps({"interrupted": {"steps": steps, "equal": equal}}), flush=True)
@@ -176,16 +176,17 @@ def compare(mode: str, temperature: float = 0.0,
         }), flush=True)
 
 
-def interrupted_rounds(engine: Engine) -> list[int]:
-    """Three rounds with the round's interrupt set: the steps each ran."""
+def interrupted_rounds(engine: Engine) -> tuple[list[int], dict]:
+    """Three rounds with the round's interrupt set: the steps each ran, and the results of the
+    requests they finished."""
     engine.round_interrupt.set()
-    steps = []
+    steps, finished = [], {}
     for _ in range(3):
         before = engine.stats.steps
-        engine.step()
+        finished |= {out.request_id: out.result() for out in engine.step() if out.finished}
         steps.append(engine.stats.steps - before)
     engine.round_interrupt.clear()
-    return steps
+    return steps, finished
 
 
 def compare_bundled() -> bool:
