@@ -28,8 +28,13 @@ MIXED = [
 ]
 
 
-def alone(model, prompt, params, slots=1):
-    engine = Engine(model, CONFIG, slots=slots, cache_len=64)
+SLOTS = 2
+"""The slots of the engines that run a request alone or a few as a reference: one engine shape
+(one compiled round) for all of them (a request's tokens do not depend on its batch here)."""
+
+
+def alone(model, prompt, params):
+    engine = Engine(model, CONFIG, slots=SLOTS, cache_len=64)
     rid = engine.add_request(prompt, params)
     return run_to_completion(engine)[rid]
 
@@ -81,17 +86,17 @@ def test_abort_frees_the_slot_for_the_next_waiting_request(model):
     assert engine.scheduler.running[slot].rid == waiting  # the freed slot took the waiting one
     results = run_to_completion(engine)
     assert set(results) == {second, waiting}
-    assert results[waiting].token_ids == alone(model, prompts[2], SamplingParams(max_new_tokens=40),
-                                               slots=2).token_ids
+    assert results[waiting].token_ids == alone(model, prompts[2],
+                                               SamplingParams(max_new_tokens=40)).token_ids
 
 
 def test_aborting_a_waiting_request_ends_it_at_the_next_step(model):
-    engine = Engine(model, CONFIG, slots=1, cache_len=64)
-    running, waiting = (engine.add_request(p) for p in random_prompts(2, 128, 2, 8, seed=45))
+    engine = Engine(model, CONFIG, slots=SLOTS, cache_len=64)
+    *running, waiting = (engine.add_request(p) for p in random_prompts(3, 128, 2, 8, seed=45))
     engine.abort(waiting)
     outputs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [(waiting, "abort")]
-    assert set(run_to_completion(engine)) == {running}
+    assert set(run_to_completion(engine)) == set(running)
 
 
 def test_a_request_that_no_longer_fits_when_admitted_ends_with_an_error(model):
@@ -153,10 +158,12 @@ def bundled():
     return load_model(None)
 
 
-def bundled_engine(model, slots=8, **changes):
+def bundled_engine(model, **changes):
+    """The server's kind of engine (its round checks for arrivals), one shape for every test
+    of the bundled model here: one compiled round."""
     config = GenerationConfig(mode="focus", max_new_tokens=32, bucket_ladder=(0.25, 1.0),
-                              steps_per_round=8).replace(**changes)
-    return Engine(model, config, slots=slots, cache_len=128)
+                              steps_per_round=8, interruptible_rounds=True).replace(**changes)
+    return Engine(model, config, slots=8, cache_len=128)
 
 
 def test_async_engine_serves_32_concurrent_consumers_each_its_own_output(bundled):
@@ -166,7 +173,7 @@ def test_async_engine_serves_32_concurrent_consumers_each_its_own_output(bundled
     prompts = [encode_prompt(bundled, q) for q in questions]
     # The server's engine (its round checks for arrivals), run to completion without arrivals:
     # the same program as below, compiled once.
-    expected_engine = bundled_engine(bundled, interruptible_rounds=True)
+    expected_engine = bundled_engine(bundled)
     rids = [expected_engine.add_request(p) for p in prompts]
     expected = run_to_completion(expected_engine)
 
@@ -179,7 +186,7 @@ def test_async_engine_serves_32_concurrent_consumers_each_its_own_output(bundled
 
     async def main():
         # As the server runs it: arrivals for free slots interrupt the running round.
-        engine = AsyncEngine(bundled_engine(bundled, interruptible_rounds=True))
+        engine = AsyncEngine(bundled_engine(bundled))
         try:
             return await asyncio.wait_for(
                 asyncio.gather(*(consume(engine, p) for p in prompts)), timeout=300)
@@ -196,7 +203,8 @@ def test_arrivals_interrupt_the_round_only_while_a_slot_is_free(model):
     """The server's engine ends the running round for an arrival that a free slot can take, not
     for one that must wait anyway; the outputs are those of an engine without interrupts."""
     prompts = random_prompts(3, 128, 6, 6, seed=24)
-    config = CONFIG.replace(max_new_tokens=8)
+    # The interrupt test's round below (8 steps): one program for both.
+    config = CONFIG.replace(max_new_tokens=8, steps_per_round=8)
     expected = run_to_completion_of(model, config, prompts)
 
     class Recording(AsyncEngine):
@@ -230,12 +238,12 @@ def test_a_consumer_that_stops_early_frees_its_slot_and_disturbs_no_other(bundle
     from focus_jax.api import encode_prompt
 
     prompts = [encode_prompt(bundled, q) for q in ("Reverse: a b c d", "Add: 12+34")]
-    reference = bundled_engine(bundled, slots=2)
+    reference = bundled_engine(bundled)
     rid = reference.add_request(prompts[1])
     expected = run_to_completion(reference)[rid]
 
     async def main():
-        engine = AsyncEngine(bundled_engine(bundled, slots=2, max_new_tokens=96))
+        engine = AsyncEngine(bundled_engine(bundled, max_new_tokens=96))
         try:
             async def stop_after_first_block():
                 async with contextlib.aclosing(engine.generate(prompts[0])) as stream:
@@ -267,8 +275,8 @@ def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled
 
     async def main():
         # No stop token: a short answer could end a running request between the checks below, and
-        # with it the wait for a slot that makes the fifth request QueueFull.
-        engine = AsyncEngine(bundled_engine(bundled, slots=2, max_new_tokens=96, stop_token_ids=()),
+        # with it the wait for a slot that makes the eleventh request QueueFull.
+        engine = AsyncEngine(bundled_engine(bundled, max_new_tokens=96, stop_token_ids=()),
                              max_queue=2)
         finals = []
 
@@ -282,8 +290,8 @@ def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled
             while not condition() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
 
-        tasks = [asyncio.create_task(consume()) for _ in range(2)]
-        await until(lambda: engine.num_running == 2)
+        tasks = [asyncio.create_task(consume()) for _ in range(8)]  # every slot
+        await until(lambda: engine.num_running == 8)
         tasks += [asyncio.create_task(consume()) for _ in range(2)]  # these two wait
         await until(lambda: engine.num_waiting == 2)
         with pytest.raises(QueueFull):
@@ -296,7 +304,7 @@ def test_shutdown_with_requests_in_flight_returns_and_ends_every_request(bundled
         return finals, took, engine.running
 
     finals, took, alive = asyncio.run(main())
-    assert len(finals) == 4 and set(finals) <= {"abort", "stop", "length"} and "abort" in finals
+    assert len(finals) == 10 and set(finals) <= {"abort", "stop", "length"} and "abort" in finals
     assert took < 30 and not alive
 
 
@@ -370,8 +378,10 @@ def test_a_short_round_ends_as_soon_as_a_request_has_its_first_output(model):
     config = CONFIG.replace(steps_per_round=8, free_slot_round_steps=8, max_new_tokens=24)
     prompt = random_prompts(1, 128, 6, 6, seed=22)[0]
 
-    one_step_rounds = Engine(model, config.replace(steps_per_round=1, free_slot_round_steps=1),
-                             slots=2, cache_len=64)
+    # One step per round while a slot is free (always here: one request in two slots), on the
+    # same compiled round.
+    one_step_rounds = Engine(model, config.replace(free_slot_round_steps=1), slots=2,
+                             cache_len=64)
     one_step_rounds.add_request(prompt)
     steps_to_first_output = 0
     while True:
@@ -437,7 +447,7 @@ def test_rounds_without_interrupts_have_none_and_interrupts_are_released():
 
 
 def run_to_completion_of(model, config, prompts):
-    engine = Engine(model, config, slots=len(prompts), cache_len=64)
+    engine = Engine(model, config, slots=SLOTS, cache_len=64)
     ids = [engine.add_request(p) for p in prompts]
     results = run_to_completion(engine)
     return [results[i].token_ids for i in ids]
