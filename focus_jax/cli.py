@@ -697,6 +697,11 @@ def _load_and_compile(described: Model, path: Path, config: GenerationConfig, sl
             print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)  # while XLA compiles beside it
             ctrl_c.exit_now()
         raise
+    except USER_ERRORS as err:  # a bad folder (weights, tokenizer): said now, not after the
+        if ahead is not None and ahead.is_alive():  # compile beside it, which exit would await
+            print(error_line(err), file=sys.stderr, flush=True)
+            ctrl_c.exit_now(2)
+        raise
     print(f"focus-jax serve: ready {time.perf_counter() - began:.1f} s after the load began "
           f"({seen.compiled} programs compiled, {seen.loaded} read from the compilation cache)",
           file=sys.stderr, flush=True)
@@ -1086,14 +1091,22 @@ they leave nothing half-written. ``train`` saves a checkpoint on Ctrl-C, ``serve
 ``convert`` finishes its folder or removes it: those end when Python sees the interrupt."""
 
 
+USER_ERRORS = (ConfigError, RequestError, OSError, ValueError)
+"""What the CLI reports as one line and status 2: bad options, inputs or files."""
+
+
+def error_line(err: BaseException) -> str:
+    return f"focus-jax: error: {err}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prompt = args.command in PROMPT_EXIT_COMMANDS
     with ctrl_c.exit_promptly() if prompt else contextlib.nullcontext():
         try:
             return args.func(args)
-        except (ConfigError, RequestError, OSError, ValueError) as err:
-            print(f"focus-jax: error: {err}", file=sys.stderr)
+        except USER_ERRORS as err:
+            print(error_line(err), file=sys.stderr)
             return 2
         except KeyboardInterrupt:  # Ctrl-C: as a shell reports a process ended by SIGINT
             print(ctrl_c.MESSAGE, file=sys.stderr, flush=True)

@@ -24,14 +24,15 @@ MESSAGE = "focus-jax: interrupted"
 _STOP = b"\0"  # not a signal number: wakes the watcher to end it
 
 
-def exit_now() -> None:
-    """End the process with status 130 at once, its output flushed. Not through the
-    interpreter's shutdown: a device program still running then has XLA's runtime abort the
-    process ("terminate called without an active exception", status -6)."""
+def exit_now(status: int = 130) -> None:
+    """End the process with ``status`` (130: as a shell reports SIGINT) at once, its output
+    flushed. Not through the interpreter's shutdown: a device program still running then has
+    XLA's runtime abort the process ("terminate called without an active exception", status
+    -6), and a compile still running is waited for."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(130)
+    os._exit(status)
 
 
 @contextlib.contextmanager

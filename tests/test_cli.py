@@ -166,6 +166,38 @@ def test_serve_without_the_serve_extra_names_the_install_command():
     assert "Traceback" not in done.stderr
 
 
+def test_serve_with_a_broken_tokenizer_says_so_without_waiting_for_the_compile(tmp_path):
+    """The tokenizer loads beside the compile and the weights' load; its error ends the server
+    at once (one line, status 2), not after the compile running beside it: the decode round
+    never reaches the compilation cache."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in focus_jax.BUNDLED_MODEL.iterdir():
+        (folder / file.name).symlink_to(file)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").write_text("{ not json")
+    cache = tmp_path / "cache"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "focus_jax.cli", "serve", "--model", str(folder), "--port",
+         str(port)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"focus-jax: error: {folder}/tokenizer.json is not valid JSON"), done.stderr
+    assert "Traceback" not in done.stderr
+    written = [p.name for p in cache.rglob("*")] if cache.exists() else []
+    assert not [name for name in written if "decode_round" in name], written
+
+
 def _sigint_at_its_default():
     """``preexec_fn`` of a child that a test sends SIGINT: it starts with SIGINT at its default
     disposition and unblocked, whatever this process has (a non-interactive shell's background
