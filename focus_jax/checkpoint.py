@@ -155,7 +155,7 @@ class TokenizerLoad:
         self._done = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
-        self._mask_from_files: int | None = None
+        self._mask_from_files: int | None = None  # set by mask_token_id(), checked on arrival
         # A daemon: a process that ends early (a bad option) does not wait for the import.
         threading.Thread(target=self._load, name="focus-jax-tokenizer", daemon=True).start()
 
@@ -212,7 +212,10 @@ def mask_token_id_from_files(folder: Path) -> int | None:
         if isinstance(content, dict) and isinstance(content.get("added_tokens"), list):
             entries = content["added_tokens"]
     ids = {str(e.get("id")) for e in entries if isinstance(e, dict) and e.get("content") == mask}
-    return int(next(iter(ids))) if len(ids) == 1 and next(iter(ids)).isdigit() else None
+    if len(ids) != 1:
+        return None
+    (token,) = ids
+    return int(token) if token.isdigit() else None
 
 
 def _require_tokenizer(folder: Path) -> None:

@@ -665,10 +665,9 @@ def _load_and_compile(described: Model, path: Path, config: GenerationConfig, sl
                       tokenizer: TokenizerLoad) -> Engine:
     """The warmed-up engine of the folder ``path`` (``described``: its :func:`describe`, with
     ``tokenizer`` still loading), its load and start-up reported on stderr. The programs need
-    the weights' shapes only: they
-    compile while the weights load (not for weights quantized as they load, nor onto a mesh). A
-    paged pool sized by the memory left after the weights is sized once, from the description,
-    for both engines."""
+    the weights' shapes only: they compile while the weights load (not for weights quantized
+    as they load, nor onto a mesh). A paged pool sized by the memory left after the weights is
+    sized once, from the description, for both engines."""
     import jax
 
     from focus_jax import compilation

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -314,7 +314,7 @@ class Runner:
             compilation.compile_together(self._programs(padding, after_prefix))
         if not run:
             return
-        with self._out_of_memory_as_config_error():
+        with out_of_memory_as_config_error(self.slots, self.cache_len):
             for args in padding:
                 self._run_prefill(*args)
             for args, static in after_prefix:
@@ -324,22 +324,6 @@ class Runner:
                 self.assign_pages([])
             self.state, _, _ = self._round(*self._round_args(False))
             jax.block_until_ready(self.state)
-
-    @contextlib.contextmanager
-    def _out_of_memory_as_config_error(self):
-        """The warm-up's runs allocate each program's temporaries (the round's logits and
-        activations, which :func:`check_memory_fits` does not count): a device that cannot hold
-        them is a one-line error that names the shape, not XLA's traceback."""
-        try:
-            yield
-        except jax.errors.JaxRuntimeError as err:
-            if "RESOURCE_EXHAUSTED" not in str(err):
-                raise
-            reason = str(err).split("[")[0].strip().removeprefix("RESOURCE_EXHAUSTED: ")
-            raise ConfigError(
-                f"the device ran out of memory warming up {self.slots} slots x {self.cache_len} "
-                f"cache positions ({reason.rstrip('.')}): use fewer slots (batch size), a "
-                f"shorter cache (max_model_len) or more devices") from None
 
     def programs(self, prompt_lengths: Sequence[int] | None = None, prefix: bool = False
                  ) -> list[tuple]:
@@ -450,6 +434,23 @@ def check_memory_fits(params: nnx.State, state: decoding.DecodeState,
             f"{_size(needed.total)} per device, but {_size(free)} are free: use fewer slots "
             f"(batch size), a shorter cache (shorter prompts or fewer max_new_tokens) or more "
             f"devices")
+
+
+@contextlib.contextmanager
+def out_of_memory_as_config_error(slots: int, positions: int) -> Iterator[None]:
+    """Running a program allocates its temporaries (the round's logits and activations, which
+    :func:`check_memory_fits` does not count): a device that cannot hold them is a one-line
+    error naming the shape (``slots`` x ``positions``), not XLA's traceback."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        reason = str(err).split("[")[0].strip().removeprefix("RESOURCE_EXHAUSTED: ")
+        raise ConfigError(
+            f"the device ran out of memory warming up {slots} slots x {positions} cache "
+            f"positions ({reason.rstrip('.')}): use fewer slots (batch size), a shorter cache "
+            f"(max_model_len) or more devices") from None
 
 
 def free_bytes(params: nnx.State, devices: Sequence[jax.Device]) -> int | None:
