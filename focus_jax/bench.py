@@ -124,13 +124,35 @@ def measured_bf16_peak(size: int | None = None, repeats: int = 10) -> float:
     size = size or (1024 if jax.default_backend() == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
-    matmul = jax.jit(lambda x, y: x @ y)
+    return _matmul_rate(lambda x, y: x @ y, a, b, repeats)
+
+
+def measured_8bit_peak(weights: str, size: int | None = None, repeats: int = 10) -> float:
+    """FLOP/s of a large 8-bit x 8-bit matmul on the default device: ``weights`` "fp8" (e4m3
+    operands, bf16 output: cuBLASLt's FP8 GEMM on Hopper) or "int8" (int32 output). The right
+    operand is stored ``[N, K]`` (contracted on its last axis), the layout of those GEMMs, as a
+    quantized round's products with 8-bit activations run them. Sizes as
+    :func:`measured_bf16_peak`'s."""
+    size = size or (1024 if jax.default_backend() == "cpu" else 8192)
+    dtype, out = {"fp8": (jnp.float8_e4m3fn, jnp.bfloat16), "int8": (jnp.int8, jnp.int32)}[weights]
+
+    def operand(seed: int) -> jax.Array:
+        x = 16 * jax.random.normal(jax.random.key(seed), (size, size), jnp.float32)
+        return (jnp.clip(jnp.round(x), -127, 127) if weights == "int8" else x).astype(dtype)
+
+    return _matmul_rate(lambda x, y: jax.lax.dot_general(
+        x, y, (((1,), (1,)), ((), ())), preferred_element_type=out), operand(0), operand(1), repeats)
+
+
+def _matmul_rate(matmul: Callable, a: jax.Array, b: jax.Array, repeats: int) -> float:
+    """FLOP/s of ``matmul(a, b)`` (square operands), jitted, after its compile and a first run."""
+    matmul = jax.jit(matmul)
     matmul(a, b).block_until_ready()
     start = time.perf_counter()
     for _ in range(repeats):
-        out = matmul(a, b)
-    out.block_until_ready()
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
+        result = matmul(a, b)
+    result.block_until_ready()
+    return 2 * a.shape[0] ** 3 * repeats / (time.perf_counter() - start)
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, runs: int, warmup: int = 0) -> float:

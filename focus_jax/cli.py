@@ -412,13 +412,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model = (bench.random_model(args.geometry, quantization=quantization,
                                 abstract=args.compile_only and mesh is None) if args.geometry
              else load_model(args.model, quantize=quantization))
-    peak = 0.0 if args.compile_only else bench.measured_bf16_peak()
+    peaks = {} if args.compile_only else {"bf16": bench.measured_bf16_peak()}
+    if peaks and quantization is not None and quantization.activations_from is not None:
+        # Products with 8-bit activations run on 8-bit tensor cores: MFU against their peak too.
+        peaks[quantization.weights] = bench.measured_8bit_peak(quantization.weights)
     say = print if is_primary() else (lambda *a, **k: None)
     say(f"{jax.devices()[0].device_kind} x{jax.device_count()}, mesh {args.mesh or 'none'}; "
-        + ("compiling only" if args.compile_only else
-           f"measured bf16 peak {peak / 1e12:.3g} TFLOP/s"))
+        + ("compiling only" if args.compile_only else ", ".join(
+            f"measured {dtype} peak {flops / 1e12:.3g} TFLOP/s" for dtype, flops in peaks.items())))
     runs = (_open_loop_rows(args, model, mesh, ladder, batches, modes, rates) if rates else
-            _closed_loop_rows(args, model, mesh, ladder, batches, modes, peak))
+            _closed_loop_rows(args, model, mesh, ladder, batches, modes, peaks))
     rows = []
     for row, line in runs:
         rows.append(row)
@@ -429,8 +432,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
-                      batches: list[int], modes: list[str], peak: float) -> Iterator[tuple[dict, str]]:
-    """``bench``: all requests at once, per batch and mode; a JSON row and a line per run."""
+                      batches: list[int], modes: list[str],
+                      peaks: dict[str, float]) -> Iterator[tuple[dict, str]]:
+    """``bench``: all requests at once, per batch and mode; a JSON row and a line per run.
+    ``peaks``: measured FLOP/s per dtype (bf16, and the 8-bit type where activations are
+    quantized); MFU is reported against the bf16 peak, and against the 8-bit one too."""
     import jax
 
     from focus_jax import bench
@@ -457,10 +463,15 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                     f"{r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
                     f"{r.warmup_loaded} from cache)")
                 continue
+            devices = jax.device_count()
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
-                   "step_ms": r.step_ms, "mfu": r.mfu(peak * jax.device_count()),
-                   "decode_mfu": r.decode_mfu(peak * jax.device_count()),
-                   "peak_flops": peak,
+                   "step_ms": r.step_ms, "mfu": r.mfu(peaks["bf16"] * devices),
+                   "decode_mfu": r.decode_mfu(peaks["bf16"] * devices),
+                   "peak_flops": peaks["bf16"],
+                   **{f"{dtype}_{key}": value for dtype, flops in peaks.items() if dtype != "bf16"
+                      for key, value in (("mfu", r.mfu(flops * devices)),
+                                         ("decode_mfu", r.decode_mfu(flops * devices)),
+                                         ("peak_flops", flops))},
                    "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
                    "mesh": args.mesh, "kernels": args.kernels,
                    "commit_refresh": args.commit_refresh,
@@ -474,7 +485,10 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                 f"step {r.step_ms:6.2f} ms  processed {r.processed_per_step:7.1f}  "
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
-                f"compile {r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
+                + "".join(f"of the {dtype} peak {100 * row[dtype + '_mfu']:5.1f}% (decode "
+                          f"{100 * row[dtype + '_decode_mfu']:5.1f}%)  " for dtype in peaks
+                          if dtype != "bf16")
+                + f"compile {r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
                 f"{r.warmup_loaded} from cache)  "
                 f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "
                 f"host {100 * r.host_seconds / r.wall_seconds:4.1f}%  "
