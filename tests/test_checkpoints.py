@@ -286,8 +286,14 @@ def test_a_device_out_of_memory_for_the_warm_ups_temporaries_is_a_one_line_error
            "GPU_0_bfc on device 0. [executable_name='jit_decode_round'] "
            "[tf-allocator-allocation-error='']")
     monkeypatch.setattr(engine.runner, "_run_prefill", fail(oom))
+    # A failed device program leaves its error in JAX's runtime tokens, which its exit hooks
+    # would raise again: the reported failure's tokens are dropped.
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.output_runtime_tokens[jax.devices()[0]] = "the failed program's"
     with pytest.raises(ConfigError) as refused:
         engine.warmup(prompt_lengths=[5])
+    assert not dispatch.runtime_tokens.output_runtime_tokens
     message = str(refused.value)
     assert "out of memory warming up 8 slots x 256 cache positions" in message, message
     assert "allocate 19.12GiB" in message and "fewer slots" in message and "\n" not in message

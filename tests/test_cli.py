@@ -1,5 +1,6 @@
 """The focus-jax command line."""
 
+import os
 import signal
 
 import pytest
@@ -164,6 +165,17 @@ def test_serve_without_the_serve_extra_names_the_install_command():
         "focus-jax: error: focus-jax serve needs fastapi, which is not installed: "
         "pip install 'focus-jax[serve]'")
     assert "Traceback" not in done.stderr
+
+
+def test_serve_and_bench_give_xla_most_of_the_gpu_unless_told_otherwise(monkeypatch, tmp_path):
+    missing = ["--model", str(tmp_path / "absent")]
+    for command in (["serve", "--port", "0", *missing], ["bench", *missing]):
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+        assert main(command) == 2  # the folder is missing: after the setting, before the model
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95", command
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+        assert main(command) == 2
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5", command
 
 
 def test_serve_with_a_broken_tokenizer_says_so_without_waiting_for_the_compile(tmp_path):

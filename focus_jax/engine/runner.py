@@ -447,6 +447,12 @@ def out_of_memory_as_config_error(slots: int, positions: int) -> Iterator[None]:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         reason = str(err).split("[")[0].strip().removeprefix("RESOURCE_EXHAUSTED: ")
+        # The failed program's runtime token holds the error, and JAX's exit hooks wait on every
+        # token: they would print it twice more as tracebacks after this one line (seen on an
+        # H100). It is reported here, so the tokens are dropped (JAX 0.11.2's token set).
+        from jax._src import dispatch
+
+        dispatch.runtime_tokens.clear()
         raise ConfigError(
             f"the device ran out of memory warming up {slots} slots x {positions} cache "
             f"positions ({reason.rstrip('.')}): use fewer slots (batch size), a shorter cache "
