@@ -7,6 +7,9 @@ its own process:
     python3 scripts/compile_round_time.py --geometry sdar-8b --slots 256 --cache-len 2048
     XLA_FLAGS=--xla_gpu_autotune_level=0 python3 scripts/compile_round_time.py ...
     python3 scripts/compile_round_time.py --bucket-ladder 0.0625,0.125,0.25,0.5,1.0 ...
+    python3 scripts/compile_round_time.py --processed-ladder 0.25,0.5,0.75,1.0 ...
+
+``--processed-ladder``: the processed rows get a ladder of their own (scripts/processed_ladder.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def main() -> int:
     parser.add_argument("--cache-len", type=int, default=2048)
     parser.add_argument("--mode", default="focus")
     parser.add_argument("--bucket-ladder", default=None, help="default: the platform's")
+    parser.add_argument("--processed-ladder", default=None,
+                        help="fractions for the processed rows alone (default: the same ladder)")
     parser.add_argument("--prefills", action="store_true",
                         help="then compile the prefill programs too")
     parser.add_argument("--workers", type=int, default=None,
@@ -49,6 +54,11 @@ def main() -> int:
     from focus_jax.config import GenerationConfig
     from focus_jax.engine import Engine
 
+    if args.processed_ladder:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import processed_ladder
+
+        processed_ladder.use([float(f) for f in args.processed_ladder.split(",")])
     jax.devices()
     model = bench.random_model(args.geometry, abstract=True)
     config = GenerationConfig(mode=args.mode, **_ladder(args.bucket_ladder))
@@ -57,6 +67,7 @@ def main() -> int:
     result = {"label": args.label, "geometry": args.geometry, "slots": args.slots,
               "cache_len": args.cache_len, "mode": args.mode,
               "ladder": list(engine.runner.settings.retained_ladder),
+              "processed_ladder": list(engine.runner.settings.processed_ladder),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0])}
     wall, cpu = time.perf_counter(), cpu_seconds()
     compilation.compile_together([first], workers=1)
