@@ -183,21 +183,32 @@ def test_the_bundled_models_answer_is_the_same_with_the_cache_empty_warm_or_off(
     persistent cache it compiles and writes every program, again it reads them all back, and
     with the cache off it compiles them afresh; the greedy answer is the same token for token
     each time. (An empty cache once answered with a whole-block round switched to the full
-    bucket ladder mid-request, and this prompt's answer flipped at a near tie.)"""
+    bucket ladder mid-request, and this prompt's answer flipped at a near tie.)
+
+    With libtpu installed on a host without TPU chips (CI's), the processes run as a user runs
+    them (JAX_PLATFORMS unset) and print none of libtpu's initialisation errors (focus_jax keeps
+    JAX from starting its TPU backend there; tests/test_libtpu_quiet.py)."""
     import os
     import re
     import subprocess
     import sys
 
+    from focus_jax import tpu
+    from tests.test_libtpu_quiet import LIBTPU_ERRORS, tpu_chips
+
+    as_a_user = tpu.libtpu_installed() and not tpu_chips()
     folder = tmp_path / "xla"
     command = [sys.executable, "-m", "focus_jax.cli", "generate", "--prompt", "What is 2+2?",
                "--stats"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "FOCUS_JAX_CACHE_DIR": str(folder)}
+    if as_a_user:
+        del env["JAX_PLATFORMS"]
     counts, answers = [], []
     for extra, where in (([], str(folder)), ([], str(folder)), (["--no-compile-cache"], "off")):
         done = subprocess.run(command + extra, capture_output=True, text=True, timeout=600,
                               env=env)
         assert done.returncode == 0, done.stderr
+        assert not (as_a_user and [e for e in LIBTPU_ERRORS if e in done.stderr]), done.stderr
         line = re.search(r"compilation: (\d+) programs compiled, (\d+) read from the "
                          r"persistent cache (\S+),", done.stderr)
         assert line and line[3] == where, done.stderr
