@@ -295,7 +295,9 @@ def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkey
 
     config = GenerationConfig(mode="focus", block_size=4, threshold=0.04, max_new_tokens=12,
                               bucket_ladder=(0.5, 1.0), steps_per_round=6)  # programs of its own
-    prompts = random_prompts(6, 128, 2, 30, seed=8)
+    # Prompts of 2-18 tokens and their answers fit 32 positions: six prompt buckets (4-32) to
+    # compile at each of two row counts, in each of the two warm-ups.
+    prompts = random_prompts(6, 128, 2, 18, seed=8)
     threads = []
 
     def on_duration(event: str, duration: float, **kwargs) -> None:
@@ -304,7 +306,7 @@ def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkey
 
     monkeypatch.setattr(compilation, "WARMUP_WORKERS", 3)
     # An accelerator's prefill batch (a CPU's is 1): prefill programs of two row counts.
-    engine = Engine(model, config, slots=4, cache_len=64, prefill_batch=4)
+    engine = Engine(model, config, slots=4, cache_len=32, prefill_batch=4)
     monitoring.register_event_duration_secs_listener(on_duration)
     try:
         with compilation.persistent_cache_off():
@@ -323,7 +325,7 @@ def test_a_warmup_compiling_side_by_side_leaves_nothing_to_compile(model, monkey
 
     monkeypatch.setattr(compilation, "WARMUP_WORKERS", 1)
     compilation.PROGRAMS.clear()  # compiled afresh, one at a time
-    sequential = Engine(model, config, slots=4, cache_len=64, prefill_batch=4)
+    sequential = Engine(model, config, slots=4, cache_len=32, prefill_batch=4)
     sequential.warmup()
     expected_ids = [sequential.add_request(p) for p in prompts]
     expected = run_to_completion(sequential)
