@@ -122,8 +122,10 @@ def test_decode_round_temporaries_do_not_grow_with_depth():
 
     def round_temporaries(num_layers: int) -> tuple[int, int]:
         model = tiny_model(seed=0, scale=4.0, num_layers=num_layers)
+        # Two buckets: half the round's branches of the CPU's four (any copy of the stacked
+        # weights shows in either).
         config = GenerationConfig(mode="focus", block_size=4, max_new_tokens=8,
-                                  stop_token_ids=())
+                                  stop_token_ids=(), bucket_ladder=(0.5, 1.0))
         engine = Engine(model, config, slots=4, cache_len=64)
         compiled = engine.lower_round().compile()
         params = sum(x.nbytes for x in jax.tree.leaves(model.params))
