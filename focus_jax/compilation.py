@@ -88,10 +88,18 @@ class ProgramCache:
 PROGRAMS = ProgramCache(PROGRAM_CAPACITY)
 
 
+CPU_COMPILER_OPTIONS: dict[str, object] | None = None
+"""XLA options of the CPU programs made from now on, over the process's ``XLA_FLAGS`` (None:
+those alone). The tests compile cheaply (``focus_jax.testing.TEST_XLA_FLAGS``) and set XLA's
+optimising backend here for engines that run far more than they compile
+(``focus_jax.testing.optimising_cpu_compiles``)."""
+
+
 def _jit(fn: Callable, platform: str, static_argnames: tuple[str, ...] = ()) -> Callable:
     if not _cache_checked:
         use_persistent_cache()
-    options = GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm") else None
+    options = (GPU_COMPILER_OPTIONS if platform in ("gpu", "cuda", "rocm")
+               else CPU_COMPILER_OPTIONS if platform == "cpu" else None)
     # The decode state (argument 1) is donated: updated in place.
     return jax.jit(fn, donate_argnums=(1,), compiler_options=options,
                    static_argnames=static_argnames)

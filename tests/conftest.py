@@ -29,12 +29,21 @@ def model():
 
 SLOWEST_FIRST = ("test_sharding.py", "test_compilation.py", "test_moe_decoding.py", "test_paged.py",
                  "test_compile_check.py", "test_serve.py", "test_kernels.py", "test_lifecycle.py",
-                 "test_quantization.py", "test_decoding.py", "test_cli.py", "test_focus.py")
+                 "test_quantization.py", "test_decoding.py", "test_cli.py", "test_focus.py",
+                 # The rest of 10 s or more, longest first (a cold make test, 2026-12-07).
+                 "test_inputs.py", "test_serve_notebook.py", "test_training.py",
+                 "test_tpu_kernels.py", "test_readme.py", "test_train_cli.py",
+                 "test_grouped_matmul.py", "test_checkpoints.py", "test_evaluate.py",
+                 "test_sharded_kernels.py", "test_install.py", "test_parity_moe.py",
+                 "test_parity_llada2.py")
 """Files whose tests start first, slowest first: with ``pytest -n 2 --dist loadfile
 --no-loadscope-reorder`` (make test) each worker takes the next file in this order, so the
 8-device subprocess of test_sharding.py (the longest file) runs beside the rest instead of alone
-at the end, and the short files fill the gaps last. (xdist's default order, most tests first,
-started test_sharding.py, which has few tests, after two thirds of the run.)"""
+at the end (and the TPU compiles of test_compile_check.py mostly after it: beside it, on two
+cores, the file ran about 40 s longer), and the run ends on files of a few seconds, not on one of
+the 35-50 s files (the notebook, the README) that the alphabetical order left last. (xdist's
+default order, most tests first, started test_sharding.py, which has few tests, after two thirds
+of the run.)"""
 
 
 def pytest_collection_modifyitems(items):

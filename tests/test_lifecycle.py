@@ -10,7 +10,7 @@ import pytest
 from focus_jax import GenerationConfig
 from focus_jax.compilation import count_compilations
 from focus_jax.engine import AsyncEngine, Engine, QueueFull, RequestError, SamplingParams, run_to_completion
-from focus_jax.testing import random_prompts
+from focus_jax.testing import optimising_cpu_compiles, random_prompts
 
 THRESHOLD = 0.04
 CONFIG = GenerationConfig(mode="focus", block_size=4, threshold=THRESHOLD, alpha=1.0,
@@ -152,10 +152,18 @@ def test_bad_requests_are_refused_with_a_message(model):
 
 # ------------------------------------------------------------------------------- AsyncEngine
 @pytest.fixture(scope="module")
-def bundled():
+def bundled_model():
     from focus_jax.cli import load_model
 
     return load_model(None)
+
+
+@pytest.fixture
+def bundled(bundled_model):
+    """The bundled model, its engines' programs compiled with XLA's optimising CPU backend:
+    these tests run the round for many more tokens than it takes to compile."""
+    with optimising_cpu_compiles():
+        yield bundled_model
 
 
 def bundled_engine(model, **changes):

@@ -552,13 +552,17 @@ def test_a_mixture_of_experts_model_serves_the_tokens_generate_gives(tmp_path, c
     folder = tmp_path / "llada2-tiny"
     focus_jax.save(tiny_model(seed=1, scale=4.0, tokenizer=True, model_type="llada2_moe",
                               moe=moe, partial_rotary_factor=0.5, block_size=8), folder)
-    served = Server(tmp_path / "moe.log", cache, "--model", str(folder))
+    # A context of 32 holds these prompts (9-20 tokens) and their answers: 4 prompt buckets of
+    # the MoE prefill to compile instead of 8.
+    context = 32
+    served = Server(tmp_path / "moe.log", cache, "--model", str(folder), "--max-model-len",
+                    str(context))
     model = focus_jax.load(folder)
     prompts = [focus_jax.encode_prompt(model, p, chat=False) for p in PROMPTS[:4]]
     expected = [(r.text, len(r.token_ids)) for r in focus_jax.generate(
         model, prompts, focus_jax.GenerationConfig(
             mode="focus", bucket_ladder=LADDER, max_batch=SLOTS, max_new_tokens=SHORT,
-            max_cache_len=CONTEXT, stop_token_ids=()))]
+            max_cache_len=context, stop_token_ids=()))]
     assert len(set(expected)) > 1 and all(n == SHORT for _, n in expected)
     served.wait_ready()
     try:
