@@ -189,14 +189,14 @@ def test_the_bundled_models_answer_is_the_same_with_the_cache_empty_warm_or_off(
 
     With libtpu installed on a host without TPU chips (CI's), the processes run as a user runs
     them (JAX_PLATFORMS unset) and print none of libtpu's initialisation errors (focus_jax keeps
-    JAX from starting its TPU backend there; tests/test_libtpu_quiet.py)."""
+    JAX from starting its TPU backend there; tests/libtpu_quiet.py)."""
     import os
     import re
     import subprocess
     import sys
 
     from focus_jax import tpu
-    from tests.test_libtpu_quiet import LIBTPU_ERRORS, tpu_chips
+    from tests.libtpu_quiet import LIBTPU_ERRORS, tpu_chips
 
     as_a_user = tpu.libtpu_installed() and not tpu_chips()
     folder = tmp_path / "xla"

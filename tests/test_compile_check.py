@@ -343,8 +343,8 @@ def test_the_compile_check_command_prints_its_table_and_nothing_else_and_leaves_
     is written there, so the second run warns of no entry it cannot load; and libtpu, loaded
     for the topology (a v5e host of 2x2 chips, a mesh of one), prints nothing either (it once
     printed its metadata warnings and an "E0000 ... INVALID_ARGUMENT" line in the middle of the
-    table; tests/test_libtpu_quiet.py says where the other commands are checked)."""
-    from tests.test_libtpu_quiet import tpu_chips
+    table; tests/libtpu_quiet.py says where the other commands are checked)."""
+    from tests.libtpu_quiet import tpu_chips
 
     folder = tmp_path / "xla"
     env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},

@@ -1,7 +1,8 @@
-"""With libtpu installed on a host without TPU chips, commands print no libtpu initialisation
-errors (focus_jax keeps JAX from starting its TPU backend there). Checked in the subprocesses
-of other tests, run as a user runs them (JAX_PLATFORMS unset, where the tests' conftest sets it
-to cpu), each one process start fewer than a run of its own here:
+"""What the tests need to check that, with libtpu installed on a host without TPU chips,
+commands print no libtpu initialisation errors (focus_jax keeps JAX from starting its TPU
+backend there). Checked in the subprocesses of other tests, run as a user runs them
+(JAX_PLATFORMS unset, where the tests' conftest sets it to cpu), each one process start fewer
+than a run of its own:
 
 - ``focus-jax generate``: tests/test_compilation.py
   (test_the_bundled_models_answer_is_the_same_with_the_cache_empty_warm_or_off, its three runs);
