@@ -121,7 +121,7 @@ def layer_flops_per_token(cfg: ModelConfig) -> float:
 def measured_bf16_peak(size: int | None = None, repeats: int = 10) -> float:
     """FLOP/s of a large bf16 matmul on the default device (random data). Default size 8192,
     1024 on CPUs (where 8192 takes over a minute and the peak is near 0.1 TFLOP/s)."""
-    size = size or (1024 if jax.default_backend() == "cpu" else 8192)
+    size = _peak_size(size)
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
     return _matmul_rate(lambda x, y: x @ y, a, b, repeats)
@@ -133,7 +133,7 @@ def measured_8bit_peak(weights: str, size: int | None = None, repeats: int = 10)
     operand is stored ``[N, K]`` (contracted on its last axis), the layout of those GEMMs, as a
     quantized round's products with 8-bit activations run them. Sizes as
     :func:`measured_bf16_peak`'s."""
-    size = size or (1024 if jax.default_backend() == "cpu" else 8192)
+    size = _peak_size(size)
     dtype, out = {"fp8": (jnp.float8_e4m3fn, jnp.bfloat16), "int8": (jnp.int8, jnp.int32)}[weights]
 
     def operand(seed: int) -> jax.Array:
@@ -142,6 +142,10 @@ def measured_8bit_peak(weights: str, size: int | None = None, repeats: int = 10)
 
     return _matmul_rate(lambda x, y: jax.lax.dot_general(
         x, y, (((1,), (1,)), ((), ())), preferred_element_type=out), operand(0), operand(1), repeats)
+
+
+def _peak_size(size: int | None) -> int:
+    return size or (1024 if jax.default_backend() == "cpu" else 8192)
 
 
 def _matmul_rate(matmul: Callable, a: jax.Array, b: jax.Array, repeats: int) -> float:

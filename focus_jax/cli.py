@@ -461,14 +461,16 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                     f"{r.warmup_loaded} from cache)")
                 continue
             devices = jax.device_count()
+            # bf16's fields unprefixed (as ever), an 8-bit peak's prefixed with its type.
+            utilisation = {
+                f"{'' if dtype == 'bf16' else dtype + '_'}{key}": value
+                for dtype, flops in peaks.items()
+                for key, value in (("mfu", r.mfu(flops * devices)),
+                                   ("decode_mfu", r.decode_mfu(flops * devices)),
+                                   ("peak_flops", flops))}
+            eight_bit = [dtype for dtype in peaks if dtype != "bf16"]
             row = {**dataclasses.asdict(r), "tokens_per_second": r.tokens_per_second,
-                   "step_ms": r.step_ms, "mfu": r.mfu(peaks["bf16"] * devices),
-                   "decode_mfu": r.decode_mfu(peaks["bf16"] * devices),
-                   "peak_flops": peaks["bf16"],
-                   **{f"{dtype}_{key}": value for dtype, flops in peaks.items() if dtype != "bf16"
-                      for key, value in (("mfu", r.mfu(flops * devices)),
-                                         ("decode_mfu", r.decode_mfu(flops * devices)),
-                                         ("peak_flops", flops))},
+                   "step_ms": r.step_ms, **utilisation,
                    "model": str(args.model or args.geometry or BUNDLED_MODEL.name),
                    "mesh": args.mesh, "kernels": args.kernels,
                    "commit_refresh": args.commit_refresh,
@@ -483,8 +485,7 @@ def _closed_loop_rows(args: argparse.Namespace, model, mesh, generation: dict,
                 f"retained {r.retained_per_step:7.1f}  decoded {r.decoded_per_step:6.2f}  "
                 f"MFU {100 * row['mfu']:5.1f}% (decode {100 * row['decode_mfu']:5.1f}%)  "
                 + "".join(f"of the {dtype} peak {100 * row[dtype + '_mfu']:5.1f}% (decode "
-                          f"{100 * row[dtype + '_decode_mfu']:5.1f}%)  " for dtype in peaks
-                          if dtype != "bf16")
+                          f"{100 * row[dtype + '_decode_mfu']:5.1f}%)  " for dtype in eight_bit)
                 + f"compile {r.compile_seconds:5.1f}s ({r.warmup_compiled} compiled, "
                 f"{r.warmup_loaded} from cache)  "
                 f"prefill {100 * r.prefill_seconds / r.wall_seconds:4.1f}%  "

@@ -146,7 +146,8 @@ def devices(topology: Topology) -> list[jax.Device]:
     # libtpu starts by asking the cloud's metadata server what this host is; off a TPU VM it
     # prints three warnings and an "E0000 ... INVALID_ARGUMENT" line (worker hostnames) on
     # stderr, in the middle of compile-check's table. Told, it asks nothing (the topology's
-    # devices and compiles are the same: tests/libtpu_quiet.py).
+    # devices and compiles are the same: docs/startup.md, "Quiet by default"; the quiet table
+    # is tested in tests/test_compile_check.py).
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.chip.accelerator_type)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     single = topology.chips == 1
