@@ -20,6 +20,7 @@ with 8 experts, one left empty, and padding rows; a mismatch ends the run (exit 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 
 from focus_jax.bench import measured_bf16_peak, median_seconds
 from pallas_kernels.dispatch import target_platform
@@ -107,8 +109,13 @@ def check(models: list[str], backends: list[str], rows: int) -> list[dict]:
     return found
 
 
+WEIGHTS = {"bf16": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+"""The experts' weight types: bf16, or 8 bits with a scale per output channel and expert
+(qwix, as ``focus_jax`` quantizes experts; the rows stay bf16)."""
+
+
 def timings(models: list[str], backends: list[str], row_counts: list[int], peak: float,
-            runs: int, warmup: int) -> list[dict]:
+            runs: int, warmup: int, weights: tuple[str, ...] = ("bf16",)) -> list[dict]:
     rng = np.random.default_rng(0)
     found = []
     for model in models:
@@ -117,12 +124,14 @@ def timings(models: list[str], backends: list[str], row_counts: list[int], peak:
             sizes = routed_group_sizes(rows, experts, top_k, rng)
             used = int(sizes.sum())
             for projection, (k, n) in projections(model).items():
-                lhs, rhs, group_sizes = operands(used, k, n, sizes, seed=rows)
+                lhs, plain, group_sizes = operands(used, k, n, sizes, seed=rows)
                 flops = 2 * used * k * n
-                for name in backends:
+                for weight, name in itertools.product(weights, backends):
+                    rhs = plain if WEIGHTS[weight] is None else qwix.quantize(
+                        plain, WEIGHTS[weight], channelwise_axes=(0, 2))
                     row = {"model": model, "projection": projection, "rows": used, "k": k, "n": n,
                            "experts": experts, "empty_experts": int((sizes == 0).sum()),
-                           "impl": name}
+                           "weights": weight, "impl": name}
                     try:
                         seconds = median_seconds(backend(name, lhs, rhs), lhs, rhs, group_sizes,
                                                  runs=runs, warmup=warmup)
@@ -135,7 +144,7 @@ def timings(models: list[str], backends: list[str], row_counts: list[int], peak:
                                    fraction_of_peak=flops / seconds / peak)
                     print(json.dumps(row), flush=True)
                     found.append(row)
-                del lhs, rhs
+                del lhs, plain, rhs
     return found
 
 
@@ -144,6 +153,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rows", default="2048,8192,65536", help="tokens x top-k, comma-separated")
     parser.add_argument("--impls", default=",".join(BACKENDS))
+    parser.add_argument("--weights", default="bf16",
+                        help=f"the experts' weights, comma-separated: {', '.join(WEIGHTS)}")
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--check", action="store_true", help="hold each backend to the reference first")
@@ -158,6 +169,9 @@ def main() -> None:
     for name in backends:
         if name not in BACKENDS:
             parser.error(f"unknown impl {name!r}: choose from {', '.join(BACKENDS)}")
+    weights = tuple(args.weights.split(","))
+    if unknown := set(weights) - set(WEIGHTS):
+        parser.error(f"unknown weights {', '.join(sorted(unknown))}: choose from {', '.join(WEIGHTS)}")
     runs, warmup = (3, 1) if args.quick else (args.runs, args.warmup)
     logging.getLogger("absl").setLevel(logging.ERROR)  # tokamax: a cache-miss warning per shape
 
@@ -176,7 +190,7 @@ def main() -> None:
     result["bf16_peak_tflops"] = peak / 1e12
     print(json.dumps({"bf16_peak_tflops": peak / 1e12}), flush=True)
     result["timings"] = timings(models, backends, [int(r) for r in args.rows.split(",")], peak,
-                                runs, warmup)
+                                runs, warmup, weights)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

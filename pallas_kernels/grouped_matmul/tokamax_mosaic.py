@@ -187,7 +187,16 @@ def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.Q
     rows = lhs.shape[0]
     padded = -rows % GPU_ROW_TILE if platform == "gpu" else 0
     lhs = jnp.pad(lhs, ((0, padded), (0, 0))) if padded else lhs
+    out_dtype = preferred_element_type
+    if platform == "gpu" and isinstance(rhs, qwix.QArray) and out_dtype is not None \
+            and jnp.dtype(out_dtype).itemsize > 2:
+        # tokamax's Hopper kernel for 8-bit weights writes its output tiles through a 128-byte
+        # swizzle as wide as its 64-column tile: 16-bit outputs only (a float32 tile fails with
+        # "out_swizzle_elems=32 must equal block_n=64"). It accumulates in float32 all the same;
+        # only the written product is rounded.
+        out_dtype = lhs.dtype
     with _one_pass(lhs.dtype):
-        out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+        out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                                  implementation=_implementation(lhs, rhs, platform))
+    out = out.astype(preferred_element_type) if preferred_element_type is not None else out
     return jnp.where(valid_rows(group_sizes, rows + padded)[:, None], out, 0)[:rows]
