@@ -36,6 +36,14 @@ CPU_LADDER = (0.25, 0.5, 0.75, 1.0)
 # SDAR-8B, 2 requests/s: time between blocks 0.445 -> 0.419 s, first block p50 0.314 -> 0.300 s;
 # the server at saturation 3207.8 tok/s against 3210.5 (docs/serving.md, "Re-measured").
 GPU_LADDER = (1 / 128, 1 / 64, *DEFAULT_LADDER)
+# The processed rows (layers 0-1 and the eviction) on GPUs: 9 rungs of their own. They run 2 of a
+# model's layers (SDAR-8B: 2 of 36), so coarser rungs pad little work, and each rung is a branch
+# of three switches of the round to compile. Kept: the rungs where a loaded server's processed
+# rows land (about half the full bucket) and a few small ones for a light load. SDAR-8B, 256
+# slots, on an H100: the round compiles in 80.5 s against 102.8 s (CPU 157 s against 212), and
+# focus at batch 128 steps in 36.87 ms against 36.89 (docs/startup.md, "The processed rows'
+# own ladder").
+GPU_PROCESSED_LADDER = (1 / 128, 1 / 32, 1 / 8, 1 / 4, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
 GPU_MIN_BUCKET = 16
 """No compaction bucket of fewer rows on GPUs: a GEMM of fewer rows reads the same weights in
 about the same time, and a bucket of one row turned each layer's products into XLA's dot
@@ -399,8 +407,9 @@ class GenerationConfig:
     max_cache_len: int | None = None
     """Cache positions per slot (None: the longest prompt plus max_new_tokens, rounded up)."""
     bucket_ladder: tuple[float, ...] | None = None
-    """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size
-    (None: the platform's, :meth:`ladder_for`)."""
+    """Bucket sizes for compaction, as fractions of the flat token axis slots * block_size,
+    of the processed and the retained rows alike (None: the platform's, :meth:`ladder_for` and
+    :meth:`processed_ladder_for`)."""
     kernels: str | None = None
     """Kernels for attention and FOCUS importance: ``xla``, ``pallas_tpu``,
     ``pallas_tpu_interpret``, ``triton``, or ``pallas_triton`` / ``pallas_triton_interpret``
@@ -513,6 +522,14 @@ class GenerationConfig:
         if self.bucket_ladder is not None:
             return self.bucket_ladder
         return {"cpu": CPU_LADDER, "gpu": GPU_LADDER}.get(platform, DEFAULT_LADDER)
+
+    def processed_ladder_for(self, platform: str) -> tuple[float, ...]:
+        """The bucket ladder of the processed rows (layers 0-1, the eviction) on devices of
+        ``platform``: the configured ladder, else ``GPU_PROCESSED_LADDER`` on GPUs and the
+        platform's ladder (:meth:`ladder_for`) elsewhere."""
+        if self.bucket_ladder is None and platform == "gpu":
+            return GPU_PROCESSED_LADDER
+        return self.ladder_for(platform)
 
     @staticmethod
     def min_bucket_for(platform: str) -> int:

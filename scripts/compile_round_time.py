@@ -1,5 +1,6 @@
 """How long a geometry's decode round takes to compile, alone, from the weights' shapes (no
-weights, nothing run, no persistent cache): wall and CPU seconds (all threads), then,
+weights, nothing run, no persistent cache): wall and CPU seconds (all threads) and the
+round's memory as XLA plans it (temporaries, arguments, outputs, aliased bytes), then,
 with ``--prefills``, the prefill programs ``--workers`` at a time as the server's warm-up
 compiles them. One JSON line. Compiler options come from ``XLA_FLAGS``, so each variant is
 its own process:
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -75,6 +77,14 @@ def main() -> int:
                   round_cpu_s=round(cpu_seconds() - cpu, 2))
     print(f"round: {result['round_wall_s']} s wall, {result['round_cpu_s']} s CPU",
           file=sys.stderr, flush=True)
+    # The round's memory as XLA plans it (read back from the cache just written): a temporary
+    # the size of a cache array would be a copy of the KV cache in the round.
+    memory = engine.lower_round().compile().memory_analysis()
+    k = engine.state.cache.k
+    result.update(kv_array_bytes=math.prod(k.shape) * k.dtype.itemsize,
+                  temp_bytes=memory.temp_size_in_bytes,
+                  argument_bytes=memory.argument_size_in_bytes,
+                  output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes)
     if args.prefills:
         wall, cpu = time.perf_counter(), cpu_seconds()
         compilation.compile_together(prefills, workers=args.workers)

@@ -78,4 +78,23 @@ def test_gpu_settings_have_no_bucket_below_sixteen_rows():
     cpu = decode_settings(GenerationConfig(block_size=8, bucket_ladder=GPU_LADDER), 0, 8, "cpu")
     assert gpu.processed_ladder[0] == gpu.retained_ladder[0] == GPU_MIN_BUCKET == 16
     assert cpu.processed_ladder[0] == 1  # elsewhere the ladder is as configured
-    assert gpu.processed_ladder == tuple(s for s in cpu.processed_ladder if s >= 16)
+    assert gpu.retained_ladder == tuple(s for s in cpu.retained_ladder if s >= 16)
+
+
+def test_gpu_processed_rows_have_a_coarser_ladder_of_their_own_unless_one_is_configured():
+    """On GPUs the processed rows (layers 0-1) compact into the 9 rungs of
+    GPU_PROCESSED_LADDER, the retained rows into GPU_LADDER's 18; a configured ladder is both."""
+    from focus_jax.config import GPU_PROCESSED_LADDER, GenerationConfig
+    from focus_jax.engine.core import decode_settings
+
+    gpu = decode_settings(GenerationConfig(block_size=32), 0, 256, "gpu")
+    assert gpu.processed_ladder == (64, 256, 1024, 2048, 4096, 5120, 6144, 7168, 8192)
+    assert len(gpu.retained_ladder) == len(GPU_LADDER) == 18
+    assert set(gpu.processed_ladder) < set(gpu.retained_ladder)
+    assert len(GPU_PROCESSED_LADDER) == 9
+    mine = decode_settings(GenerationConfig(block_size=32, bucket_ladder=(0.5, 1.0)), 0, 256,
+                           "gpu")
+    assert mine.processed_ladder == mine.retained_ladder == (4096, 8192)
+    for platform in ("cpu", "tpu"):
+        other = decode_settings(GenerationConfig(block_size=32), 0, 256, platform)
+        assert other.processed_ladder == other.retained_ladder

@@ -288,8 +288,9 @@ def default_shape(platform: str, max_positions: int) -> tuple[int, int]:
 def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, platform: str,
                     mesh: Mesh | None = None) -> decoding.DecodeSettings:
     """The static settings of the decode programs for ``config`` (its block size set) on
-    ``slots`` slots of ``platform`` devices: the policies of its mode, the bucket ladders (the
-    platform's default unless ``config`` names one), the kernels."""
+    ``slots`` slots of ``platform`` devices: the policies of its mode, the bucket ladders of the
+    processed and the retained rows (the platform's defaults unless ``config`` names one ladder
+    for both), the kernels."""
     block = config.block_size
     if config.kernels is not None and (why := unusable(config.kernels, platform)):
         raise ConfigError(why)
@@ -298,15 +299,16 @@ def decode_settings(config: GenerationConfig, mask_token_id: int, slots: int, pl
                           "multi-process run must end every round at the same step")
     # Each data shard compacts its own slots' rows (decoding.step).
     data_shards = mesh.shape["data"] if mesh is not None else 1
-    ladder = bucket_ladder(slots // data_shards * block, config.ladder_for(platform),
-                           minimum=config.min_bucket_for(platform))
+    full, smallest = slots // data_shards * block, config.min_bucket_for(platform)
+    retained = bucket_ladder(full, config.ladder_for(platform), minimum=smallest)
+    processed = bucket_ladder(full, config.processed_ladder_for(platform), minimum=smallest)
     # On a mesh the step calls each kernel through its sharded entry point.
     policies = Policies.for_mode(config.mode, config.unmasking,
                                  decoding.tokens_per_step(block, config.denoising_steps),
                                  config.kernels, mesh)
     return decoding.DecodeSettings(block_size=block, mask_token_id=mask_token_id,
-                                   policies=policies, processed_ladder=ladder,
-                                   retained_ladder=ladder, kernels=config.kernels, mesh=mesh,
+                                   policies=policies, processed_ladder=processed,
+                                   retained_ladder=retained, kernels=config.kernels, mesh=mesh,
                                    interruptible=config.interruptible_rounds)
 
 
