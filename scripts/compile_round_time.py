@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--cache-len", type=int, default=2048)
     parser.add_argument("--mode", default="focus")
     parser.add_argument("--bucket-ladder", default=None, help="default: the platform's")
+    parser.add_argument("--kernels", default=None, help="default: the platform's")
     parser.add_argument("--processed-ladder", default=None,
                         help="fractions for the processed rows alone (default: the same ladder)")
     parser.add_argument("--prefills", action="store_true",
@@ -63,11 +64,11 @@ def main() -> int:
         processed_ladder.use([float(f) for f in args.processed_ladder.split(",")])
     jax.devices()
     model = bench.random_model(args.geometry, abstract=True)
-    config = GenerationConfig(mode=args.mode, **_ladder(args.bucket_ladder))
+    config = GenerationConfig(mode=args.mode, kernels=args.kernels, **_ladder(args.bucket_ladder))
     engine = Engine(model, config, slots=args.slots, cache_len=args.cache_len, detokenize=False)
     first, *prefills = engine.runner.programs()
     result = {"label": args.label, "geometry": args.geometry, "slots": args.slots,
-              "cache_len": args.cache_len, "mode": args.mode,
+              "cache_len": args.cache_len, "mode": args.mode, "kernels": args.kernels,
               "ladder": list(engine.runner.settings.retained_ladder),
               "processed_ladder": list(engine.runner.settings.processed_ladder),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0])}
