@@ -42,7 +42,7 @@ GPU_LADDER = (1 / 128, 1 / 64, *DEFAULT_LADDER)
 # rows land (about half the full bucket) and a few small ones for a light load. SDAR-8B, 256
 # slots, on an H100: the round compiles in 80.5 s against 102.8 s (CPU 157 s against 212), and
 # focus at batch 128 steps in 36.87 ms against 36.89 (docs/startup.md, "The processed rows'
-# own ladder").
+# own ladder, measured on a GPU").
 GPU_PROCESSED_LADDER = (1 / 128, 1 / 32, 1 / 8, 1 / 4, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
 GPU_MIN_BUCKET = 16
 """No compaction bucket of fewer rows on GPUs: a GEMM of fewer rows reads the same weights in
