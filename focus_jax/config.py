@@ -144,6 +144,20 @@ QUANTIZED_TYPES = ("int8", "fp8")
 output channel."""
 QUANT_METHOD = "focus_jax"
 """``quant_method`` in the ``quantization_config`` of a folder focus_jax quantized."""
+FP8_CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
+"""``quant_method`` of Hugging Face folders with FP8 weights and their scales (Qwen's and
+DeepSeek's ``fp8`` releases with a scale per block, FBGEMM's and compressed-tensors'
+``float-quantized`` format with one per channel or tensor): their weights load dequantized into
+the model's dtype (``models.weights.checkpoint_tensors``); ``quantize="fp8"`` makes them 8-bit
+again, per output channel."""
+
+
+def is_fp8_checkpoint(raw: Any) -> bool:
+    """Whether a ``quantization_config`` describes a Hugging Face folder of FP8 weights that
+    focus_jax dequantizes as it loads."""
+    if not isinstance(raw, dict) or raw.get("quant_method") not in FP8_CHECKPOINT_METHODS:
+        return False
+    return raw["quant_method"] != "compressed-tensors" or raw.get("format") == "float-quantized"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +192,10 @@ class Quantization:
         if not isinstance(raw, dict) or raw.get("quant_method") != QUANT_METHOD:
             method = raw.get("quant_method") if isinstance(raw, dict) else raw
             raise ConfigError(f"quantization_config {method!r} is not supported: focus_jax reads "
-                              f"the folders it quantized itself (focus-jax convert --quantize)")
+                              f"the folders it quantized itself (focus-jax convert --quantize) "
+                              f"and FP8 weights with scales (quant_method "
+                              f"{', '.join(FP8_CHECKPOINT_METHODS)}; compressed-tensors in its "
+                              f"float-quantized format)")
         return cls(raw.get("weights"))
 
 
@@ -306,8 +323,9 @@ class ModelConfig:
         from focus_jax.models import family
 
         cfg = family(raw.get("model_type")).config_from_hf(raw, dtype or hf_dtype(raw))
-        if raw.get("quantization_config") is not None:
-            cfg = cfg.replace(quantization=Quantization.from_hf_dict(raw["quantization_config"]))
+        quantization = raw.get("quantization_config")
+        if quantization is not None and not is_fp8_checkpoint(quantization):
+            cfg = cfg.replace(quantization=Quantization.from_hf_dict(quantization))
         return cfg
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +203,57 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
+           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+
+
+def checkpoint_tensors(folder: Path, dtype: Any) -> Iterator[tuple[Path, str, np.ndarray]]:
+    """``(file, key, tensor)`` for every tensor of the folder's safetensors files, FP8 weights
+    dequantized to ``dtype`` (:func:`dequantize_fp8`) and their scales consumed. A folder whose
+    ``config.json`` names FP8 weights (:data:`focus_jax.config.FP8_CHECKPOINT_METHODS`) holds
+    ``X.weight`` in float8 e4m3 with ``X.weight_scale_inv`` (a scale per block of
+    ``weight_block_size``, as Qwen's and DeepSeek's FP8 releases) or ``X.weight_scale`` (one per
+    output channel, or one for the tensor, as compressed-tensors' and FBGEMM's); static
+    activation scales (``X.input_scale``) are not needed once the weights are dequantized."""
+    files = {file: read_safetensors(file) for file in safetensors_files(folder)}
+    scales = {key: tensor for tensors in files.values() for key, tensor in tensors.items()
+              if key.endswith((".weight_scale_inv", ".weight_scale"))}
+    block = None
+    if scales:
+        quantization = (read_json(folder / "config.json").get("quantization_config") or {})
+        block = quantization.get("weight_block_size")
+    for file, tensors in files.items():
+        for key, tensor in tensors.items():
+            if key in scales or key.endswith(".input_scale"):
+                continue
+            if tensor.dtype == ml_dtypes.float8_e4m3fn:
+                scale = scales.get(key + "_scale_inv", scales.get(key + "_scale"))
+                if scale is None:
+                    raise ConfigError(f"tensor {key!r} in {file.name} is FP8 without a "
+                                      f"{key}_scale_inv or {key}_scale to dequantize it")
+                tensor = dequantize_fp8(tensor, scale, block, dtype, key)
+            yield file, key, tensor
+
+
+def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, block: Any, dtype: Any,
+                   key: str = "weight") -> np.ndarray:
+    """An FP8 ``[out, in]`` weight times its scale, in ``dtype``: ``scale`` is one number, one
+    per output channel (``[out, 1]``), or one per ``block = [rows, columns]`` tile
+    (``[ceil(out / rows), ceil(in / columns)]``, the last tiles cut at the edges)."""
+    out, inputs = weight.shape
+    scale = np.asarray(scale, np.float32)
+    if scale.size == 1 or scale.shape == (out, 1):
+        full = scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(())
+    else:
+        if not (isinstance(block, list | tuple) and len(block) == 2):
+            raise ConfigError(f"{key}'s scale has shape {scale.shape}, a scale per block, but "
+                              f"config.json's quantization_config names no weight_block_size")
+        rows, columns = (int(b) for b in block)
+        if scale.shape != (-(-out // rows), -(-inputs // columns)):
+            raise ConfigError(f"{key}'s scale has shape {scale.shape}; {rows} x {columns} blocks "
+                              f"of a {out} x {inputs} weight need "
+                              f"{(-(-out // rows), -(-inputs // columns))}")
+        full = np.repeat(np.repeat(scale, rows, axis=0), columns, axis=1)[:out, :inputs]
+    return (weight.astype(np.float32) * full).astype(dtype)
 
 
 def read_safetensors(file: Path) -> dict[str, np.ndarray]:
@@ -379,38 +429,37 @@ def load_safetensors(folder: Path, cfg: ModelConfig, mesh: Mesh | None = None,
     def dtype_of(path: tuple[str, ...], raw: np.ndarray) -> Any:
         return expected[path].dtype if path in expected else raw.dtype
 
-    for file in safetensors_files(folder):
-        for key, tensor in read_safetensors(file).items():
-            if key in table.globals:
-                weight = table.globals[key]
-                pending.append(_Pending(weight.path, (tensor,),
-                                        functools.partial(weight.to_ours, cfg=cfg), 0,
-                                        dtype_of(weight.path, tensor)))
-                continue
-            match = _LAYER_KEY.fullmatch(key)
-            if not match:
-                raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
-            index, name = int(match.group(1)), match.group(2)
-            expert_match = experts_key.fullmatch(name) if num_experts else None
-            expert = None
-            if expert_match:
-                expert, name = int(expert_match.group(1)), expert_match.group(2)
-            try:
-                weight = table.weight(name, expert is not None)
-            except KeyError:
-                raise ConfigError(f"unexpected tensor {key!r} in {file.name}") from None
-            layers = stack_of(weight.path, cfg)
-            if index not in layers or (expert is not None and expert >= num_experts):
-                where = (f"layer {index} of {cfg.num_layers}" if index >= cfg.num_layers else
-                         f"expert {expert} of {num_experts}" if expert is not None
-                         and expert >= num_experts else
-                         f"layer {index} is {cfg.layer_kinds[index]} by config.json")
-                raise ConfigError(f"unexpected tensor {key!r} in {file.name} ({where})")
-            slot = collected.setdefault((name, expert is not None),
-                                        _Collected(len(layers), num_experts if expert is not None
-                                                   else None))
-            at = (layers.index(index),) if expert is None else (layers.index(index), expert)
-            slot.put(at, tensor)
+    for file, key, tensor in checkpoint_tensors(folder, jnp.dtype(cfg.dtype)):
+        if key in table.globals:
+            weight = table.globals[key]
+            pending.append(_Pending(weight.path, (tensor,),
+                                    functools.partial(weight.to_ours, cfg=cfg), 0,
+                                    dtype_of(weight.path, tensor)))
+            continue
+        match = _LAYER_KEY.fullmatch(key)
+        if not match:
+            raise ConfigError(f"unexpected tensor {key!r} in {file.name}")
+        index, name = int(match.group(1)), match.group(2)
+        expert_match = experts_key.fullmatch(name) if num_experts else None
+        expert = None
+        if expert_match:
+            expert, name = int(expert_match.group(1)), expert_match.group(2)
+        try:
+            weight = table.weight(name, expert is not None)
+        except KeyError:
+            raise ConfigError(f"unexpected tensor {key!r} in {file.name}") from None
+        layers = stack_of(weight.path, cfg)
+        if index not in layers or (expert is not None and expert >= num_experts):
+            where = (f"layer {index} of {cfg.num_layers}" if index >= cfg.num_layers else
+                     f"expert {expert} of {num_experts}" if expert is not None
+                     and expert >= num_experts else
+                     f"layer {index} is {cfg.layer_kinds[index]} by config.json")
+            raise ConfigError(f"unexpected tensor {key!r} in {file.name} ({where})")
+        slot = collected.setdefault((name, expert is not None),
+                                    _Collected(len(layers), num_experts if expert is not None
+                                               else None))
+        at = (layers.index(index),) if expert is None else (layers.index(index), expert)
+        slot.put(at, tensor)
     pending += _stacked(collected, table, cfg, folder, dtype_of)
     if cfg.tie_word_embeddings:
         pending = [p for p in pending if p.path != ("lm_head",)]
