@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from focus_jax.config import Quantization
+from pallas_kernels.dispatch import target_platform
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -119,15 +120,19 @@ def _scaled_after(spec: str, x: Float[Array, "..."], w: qwix.QArray,
     """``einsum(spec, x, qvalue * scale)`` as ``einsum(spec, x, qvalue) * scale``: the scale is
     constant along the contracted axes, so it multiplies the product's output channels instead
     of the weight. The weight enters the matmul as its 8-bit values converted to the
-    activations' dtype (exact for int8 and FP8 e4m3 in bfloat16), which XLA can fuse into its
-    GEMM, so that no dequantized copy of the weight is written; the product accumulates in
+    activations' dtype (exact for int8 and FP8 e4m3 in bfloat16; float32 on CPUs), which XLA can
+    fuse into its GEMM, so that no dequantized copy of the weight is written; the product accumulates in
     float32 and is scaled there."""
     inputs, output = spec.replace(" ", "").split("->")
     weight_axes = inputs.split(",")[1]
     kept = "".join(name for name in weight_axes if name in output)
     scale = w.scale.reshape([n for name, n in zip(weight_axes, w.scale.shape, strict=True)
                              if name in kept])
-    product = jnp.einsum(spec, x, w.qvalue.astype(x.dtype),
+    # XLA's CPU runtime has no bf16 x bf16 -> f32 GEMM ("Unsupported element type for
+    # DotThunk::Execute"): there both operands go in as float32 (exact for bf16 activations and
+    # 8-bit values).
+    dtype = jnp.float32 if target_platform() == "cpu" else x.dtype
+    product = jnp.einsum(spec, x.astype(dtype), w.qvalue.astype(dtype),
                          preferred_element_type=jnp.float32)
     out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.scale.dtype)
     return jnp.einsum(f"{output},{kept}->{output}", product,
