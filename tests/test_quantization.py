@@ -160,9 +160,10 @@ def test_unsupported_quantizations_are_clear_errors(tmp_path, capsys):
     folder = tmp_path / "hf_fp8"
     shutil.copytree(DENSE, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    # FP8 weights with scales load (tests/test_fp8_checkpoints.py); 4-bit GPTQ does not.
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="quantization_config 'fp8' is not supported"):
+    with pytest.raises(ConfigError, match="quantization_config 'gptq' is not supported"):
         focus_jax.load(folder, tokenizer=False)
     assert main(["bench", "--geometry", "sdar-8b", "--quantize-activations-from", "64"]) == 2
     assert "--quantize-activations-from needs --quantize" in capsys.readouterr().err
