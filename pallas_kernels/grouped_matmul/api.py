@@ -79,6 +79,9 @@ def _default(lhs: Array, rhs: Array, platform: str) -> str:
     if not tokamax_mosaic.installed():
         _warn_once(f"tokamax is not installed: the {platform.upper()} runs XLA's grouped matmul, "
                    f"5 to 40 times slower on an H200 (pip install 'focus-jax[{platform}]')")
+    elif isinstance(rhs, qwix.QArray):  # quantized experts lose the fast kernel: say so
+        _warn_once(f"8-bit experts run XLA's grouped matmul, 5 to 40 times slower than "
+                   f"tokamax's kernel on an H200: {why}")
     else:
         _log_once(f"grouped_matmul runs XLA's ragged dot: {why}")
     return "xla"

@@ -57,6 +57,11 @@ GPU_TILE = 64
 rows (64 bf16 elements): on the H200 ``k = 96`` and ``k = 200`` fail to lower, and so does
 ``n = 48`` with a float32 output. ``k`` and ``n`` must be multiples of 64 (every expert
 projection is)."""
+FP8_TO_BF16_PTX_ISA = 92
+"""tokamax's Hopper kernel for 8-bit weights converts them to the rows' dtype in registers.
+Mosaic GPU converts FP8 to bfloat16 only where ptxas speaks PTX ISA 9.2 (CUDA 13.x); older ones
+convert FP8 to float16 only ("Hardware has no support for converting from f8E4M3FN to bf16",
+on an H100 with the H200 image's CUDA, 2026-12-07)."""
 
 
 TUNED = Path(__file__).parent / "tuned"
@@ -91,7 +96,36 @@ def unsupported(lhs: jax.ShapeDtypeStruct | Array, rhs: jax.ShapeDtypeStruct | A
     _, k, n = rhs.shape
     if k % GPU_TILE or n % GPU_TILE:
         return f"on GPUs k and n must be multiples of {GPU_TILE} (got k={k}, n={n})"
-    return _gpu_unsupported()
+    if why := _gpu_unsupported():
+        return why
+    if isinstance(rhs, qwix.QArray):
+        return fp8_weights_unsupported(lhs.dtype, rhs.qvalue.dtype, _ptxas_isa_version())
+    return None
+
+
+def fp8_weights_unsupported(lhs_dtype: jnp.dtype, weight_dtype: jnp.dtype,
+                            ptx_isa: int) -> str | None:
+    """Why tokamax's Hopper kernel cannot take 8-bit weights of ``weight_dtype`` with rows of
+    ``lhs_dtype`` where ptxas speaks PTX ISA ``ptx_isa`` (e.g. 88 for 8.8); None: it can."""
+    fp8 = jnp.issubdtype(weight_dtype, jnp.floating) and jnp.dtype(weight_dtype).itemsize == 1
+    if not fp8 or jnp.dtype(lhs_dtype) == jnp.float16 or ptx_isa >= FP8_TO_BF16_PTX_ISA:
+        return None
+    return (f"tokamax's Hopper kernel converts FP8 weights to the rows' "
+            f"{jnp.dtype(lhs_dtype).name} in registers, which this CUDA's ptxas (PTX ISA "
+            f"{ptx_isa // 10}.{ptx_isa % 10}) cannot (it converts FP8 to float16 only; ISA "
+            f"{FP8_TO_BF16_PTX_ISA // 10}.{FP8_TO_BF16_PTX_ISA % 10} can); int8 weights keep the kernel")
+
+
+@functools.cache
+def _ptxas_isa_version() -> int:
+    """The PTX ISA version of the ptxas that Mosaic GPU compiles with (92 for 9.2); 0 where JAX
+    does not say (a private API that may move: then FP8 weights take XLA's ragged dot)."""
+    try:
+        from jax._src.lib import mosaic_gpu
+
+        return int(mosaic_gpu._mosaic_gpu_ext._get_ptxas_isa_version())
+    except Exception:  # any failure means "unknown"
+        return 0
 
 
 @functools.cache
