@@ -23,6 +23,8 @@ IMPLS = ("xla", "tokamax")
 Hopper GPUs and TPUs from v5 on (:mod:`pallas_kernels.grouped_matmul.tokamax_mosaic`)."""
 
 log = logging.getLogger(__name__)
+XLA_SLOWDOWN = "5 to 40 times slower than tokamax's kernel on an H200"
+"""What falling back to XLA's ragged dot costs (docs/kernels.md), for the warnings."""
 
 
 def grouped_matmul(lhs: Float[Array, "m k"], rhs: Float[Array, "g k n"] | qwix.QArray,
@@ -78,10 +80,9 @@ def _default(lhs: Array, rhs: Array, platform: str) -> str:
         return "tokamax"
     if not tokamax_mosaic.installed():
         _warn_once(f"tokamax is not installed: the {platform.upper()} runs XLA's grouped matmul, "
-                   f"5 to 40 times slower on an H200 (pip install 'focus-jax[{platform}]')")
+                   f"{XLA_SLOWDOWN} (pip install 'focus-jax[{platform}]')")
     elif isinstance(rhs, qwix.QArray):  # quantized experts lose the fast kernel: say so
-        _warn_once(f"8-bit experts run XLA's grouped matmul, 5 to 40 times slower than "
-                   f"tokamax's kernel on an H200: {why}")
+        _warn_once(f"8-bit experts run XLA's grouped matmul, {XLA_SLOWDOWN}: {why}")
     else:
         _log_once(f"grouped_matmul runs XLA's ragged dot: {why}")
     return "xla"

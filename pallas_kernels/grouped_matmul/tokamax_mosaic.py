@@ -110,10 +110,13 @@ def fp8_weights_unsupported(lhs_dtype: jnp.dtype, weight_dtype: jnp.dtype,
     fp8 = jnp.issubdtype(weight_dtype, jnp.floating) and jnp.dtype(weight_dtype).itemsize == 1
     if not fp8 or jnp.dtype(lhs_dtype) == jnp.float16 or ptx_isa >= FP8_TO_BF16_PTX_ISA:
         return None
+    def isa(version: int) -> str:
+        return f"{version // 10}.{version % 10}"
+
     return (f"tokamax's Hopper kernel converts FP8 weights to the rows' "
             f"{jnp.dtype(lhs_dtype).name} in registers, which this CUDA's ptxas (PTX ISA "
-            f"{ptx_isa // 10}.{ptx_isa % 10}) cannot (it converts FP8 to float16 only; ISA "
-            f"{FP8_TO_BF16_PTX_ISA // 10}.{FP8_TO_BF16_PTX_ISA % 10} can); int8 weights keep the kernel")
+            f"{isa(ptx_isa)}) cannot (it converts FP8 to float16 only; ISA "
+            f"{isa(FP8_TO_BF16_PTX_ISA)} can); int8 weights keep the kernel")
 
 
 @functools.cache
