@@ -2,6 +2,8 @@
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/tune_grouped_matmul.py \\
         --json tune.json --table pallas_kernels/grouped_matmul/tuned/nvidia_h200.json
+    python scripts/tune_grouped_matmul.py --weights int8 --models llada2.0-mini --rows 4096,16384 \
+        --json tune_int8.json --table pallas_kernels/grouped_matmul/tuned/nvidia_h200.json
 
 tokamax 0.0.17 ships tuned configs for other GPUs and shapes only; on an H200 at our shapes it
 runs its Hopper heuristic (64 x 64 tiles, two pipeline stages, not persistent). For each expert
@@ -9,9 +11,12 @@ projection of :data:`MODELS` (gate-up and down) and each row count, every candid
 :func:`candidates` is compiled (several at once), checked against the heuristic config's
 output, and timed (median of ``--runs``, each the mean of ``--calls`` calls queued back to
 back, so that the host's dispatch stays hidden); results are printed and written as they come.
-``--table`` writes the fastest config per shape and row count, the table
+``--table`` writes the fastest config per shape and row count into the table
 :mod:`pallas_kernels.grouped_matmul.tokamax_mosaic` reads (only a config measured faster than
-the heuristic goes in).
+the heuristic goes in; the shapes tuned in this run replace theirs, the others stay).
+``--weights int8`` tunes tokamax's kernel of 8-bit weights (int8, a scale per output channel
+and expert, as the quantized experts hold them; bf16 rows and output), whose Hopper heuristic
+is 64 x 64 tiles, two stages, persistent.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 
 from pallas_kernels.grouped_matmul import tokamax_mosaic
 
@@ -36,15 +42,22 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchmark_grouped_matmul import MODELS, operands, projections, routed_group_sizes
 
 
-def candidates() -> list[dict]:
+def candidates(weights: str = "bf16") -> list[dict]:
     """Hopper configs: tiles of 32/64/128 rows x 64 columns (the bf16 output's swizzle width, as
     in tokamax's own Hopper search) x 128 of k, two or four pipeline stages, persistent or not,
-    and three grid orders."""
+    and three grid orders. 8-bit weights: 16/32/64 rows (a memory-bound kernel at a few rows per
+    expert) x 128 or 256 of k, and two grid orders."""
     found = []
-    for block_m, stages, persistent, (minor, width) in itertools.product(
-            (128, 64, 32), (4, 2), (True, False), ((0, 1), (1, 4), (1, 8))):
-        found.append(dict(block_m=block_m, block_n=64, block_k=128, num_stages=stages, split_k=1,
-                          persistent=persistent, grid_minor_dim=minor, grid_tile_width=width))
+    if weights == "bf16":
+        space = itertools.product((128, 64, 32), (128,), (4, 2), (True, False),
+                                  ((0, 1), (1, 4), (1, 8)))
+    else:
+        space = itertools.product((64, 32, 16), (128, 256), (4, 2), (True, False),
+                                  ((0, 1), (1, 4)))
+    for block_m, block_k, stages, persistent, (minor, width) in space:
+        found.append(dict(block_m=block_m, block_n=64, block_k=block_k, num_stages=stages,
+                          split_k=1, persistent=persistent, grid_minor_dim=minor,
+                          grid_tile_width=width))
     return found
 
 
@@ -54,7 +67,9 @@ def kernel(config: dict | None):
     import tokamax
 
     impl = [tokamax_mosaic.op(config)] if config else tokamax_mosaic.KERNEL["gpu"]
-    return jax.jit(lambda a, b, c: tokamax.ragged_dot(a, b, c, implementation=impl))
+    out_dtype = jnp.bfloat16  # 8-bit weights: the kernel writes 16-bit tiles only
+    return jax.jit(lambda a, b, c: tokamax.ragged_dot(a, b, c, preferred_element_type=out_dtype,
+                                                      implementation=impl))
 
 
 def seconds(fn, args, runs: int, calls: int) -> float:
@@ -76,8 +91,10 @@ def tune_case(model: str, projection: str, rows: int, args, emit) -> None:
     sizes = routed_group_sizes(rows, experts, top_k, np.random.default_rng(rows))
     used = int(sizes.sum())
     lhs, rhs, group_sizes = operands(used, k, n, sizes, seed=rows)
+    if args.weights != "bf16":
+        rhs = qwix.quantize(rhs, jnp.dtype(args.weights), channelwise_axes=(0, 2))
     flops = 2 * used * k * n
-    configs = [None, *candidates()]
+    configs = [None, *candidates(args.weights)]
     fns = [kernel(c) for c in configs]
 
     def compile_one(i):
@@ -93,7 +110,7 @@ def tune_case(model: str, projection: str, rows: int, args, emit) -> None:
     want = None
     for config, exe in zip(configs, compiled, strict=True):
         row = {"model": model, "projection": projection, "rows": used, "k": k, "n": n,
-               "experts": experts, "config": config}
+               "experts": experts, "weights": args.weights, "config": config}
         if isinstance(exe, Exception):
             row["failed"] = str(exe).strip().splitlines()[0][:200]
         else:
@@ -114,17 +131,30 @@ def table(rows: list[dict]) -> dict:
     cases = {}
     for row in rows:
         if "tflops" in row and row.get("max_abs_diff_to_heuristic", 1.0) < 0.05:
-            cases.setdefault((row["k"], row["n"], row["experts"], row["rows"]), []).append(row)
+            weights = None if row.get("weights", "bf16") == "bf16" else row["weights"]
+            key = tokamax_mosaic.shape_key(row["k"], row["n"], row["experts"], weights)
+            cases.setdefault((key, row["rows"]), []).append(row)
     out = {}
-    for (k, n, experts, used), found in sorted(cases.items()):
+    for (key, used), found in sorted(cases.items()):
         heuristic = next((r for r in found if r["config"] is None), None)
         best = max(found, key=lambda r: r["tflops"])
         if heuristic is None or best["config"] is None:
             continue
-        out.setdefault(f"{k}x{n}x{experts}", []).append(
+        out.setdefault(key, []).append(
             {"rows": used, "config": best["config"], "tflops": round(best["tflops"], 1),
              "heuristic_tflops": round(heuristic["tflops"], 1)})
     return out
+
+
+def write_table(path: Path, result: dict) -> None:
+    """The tuned table of ``result``'s rows merged into the one at ``path`` (its other shapes
+    kept)."""
+    shapes = json.loads(path.read_text())["shapes"] if path.exists() else {}
+    shapes.update(table(result["rows"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tuned = {"device_kind": result["device"], "tokamax": "0.0.17", "date": result["date"],
+             "shapes": dict(sorted(shapes.items()))}
+    path.write_text(json.dumps(tuned, indent=1) + "\n")
 
 
 def main() -> None:
@@ -135,7 +165,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--workers", type=int, default=8, help="candidates compiled at once")
     parser.add_argument("--json", required=True, help="every measurement, written as it comes")
-    parser.add_argument("--table", help="write the tuned table here")
+    parser.add_argument("--table", help="write the tuned table here (merged into the file's)")
+    parser.add_argument("--weights", choices=("bf16", "int8"), default="bf16",
+                        help="the experts' weights: bf16, or int8 with per-channel scales")
     args = parser.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)
     if why := tokamax_mosaic.unsupported(jax.ShapeDtypeStruct((8, 64), jnp.bfloat16),
@@ -155,11 +187,7 @@ def main() -> None:
             for projection in projections(model):
                 tune_case(model, projection, rows, args, emit)
                 if args.table:
-                    Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-                    tuned = {"device_kind": result["device"], "tokamax": "0.0.17",
-                             "date": result["date"], "shapes": table(result["rows"])}
-                    with open(args.table, "w") as f:
-                        json.dump(tuned, f, indent=1)
+                    write_table(Path(args.table), result)
 
 
 if __name__ == "__main__":

@@ -228,7 +228,8 @@ def test_tokamax_autotuning_misses_are_not_shown(caplog):
 
 def test_tuned_config_is_that_of_the_nearest_tuned_row_count(tmp_path, monkeypatch):
     table = {"shapes": {"2048x1536x128": [
-        {"rows": 4096, "config": {"block_m": 64}}, {"rows": 65536, "config": {"block_m": 128}}]}}
+        {"rows": 4096, "config": {"block_m": 64}}, {"rows": 65536, "config": {"block_m": 128}}],
+        "2048x1536x128:int8": [{"rows": 4096, "config": {"block_m": 16}}]}}
     (tmp_path / "some_gpu_x.json").write_text(__import__("json").dumps(table))
     monkeypatch.setattr(tokamax_mosaic, "TUNED", tmp_path)
     tokamax_mosaic.tuned_table.cache_clear()
@@ -240,6 +241,13 @@ def test_tuned_config_is_that_of_the_nearest_tuned_row_count(tmp_path, monkeypat
         assert pick(10**6) == {"block_m": 128}
         assert tokamax_mosaic.tuned_config("Some GPU X", 4096, 2048, 1536, 64) is None
         assert tokamax_mosaic.tuned_config("Another GPU", 4096, 2048, 1536, 128) is None
+        # 8-bit weights run a kernel of their own: their configs, never the 16-bit ones.
+        assert tokamax_mosaic.tuned_config("Some GPU X", 10**6, 2048, 1536, 128, "int8") == {
+            "block_m": 16}
+        assert tokamax_mosaic.tuned_config("Some GPU X", 4096, 2048, 1536, 128,
+                                           "float8_e4m3fn") is None
+        assert tokamax_mosaic.parse_shape_key("2048x1536x128:int8") == (2048, 1536, 128, "int8")
+        assert tokamax_mosaic.parse_shape_key("2048x1536x128") == (2048, 1536, 128, None)
     finally:
         tokamax_mosaic.tuned_table.cache_clear()
 
@@ -251,8 +259,9 @@ def test_every_shipped_tuned_config_is_a_valid_tokamax_config():
         pytest.skip("no tuned tables shipped yet")
     for path in tables:
         for shape, entries in __import__("json").loads(path.read_text())["shapes"].items():
-            k, n, groups = map(int, shape.split("x"))
+            k, n, groups, weights = tokamax_mosaic.parse_shape_key(shape)
             assert k % 64 == 0 and n % 64 == 0 and groups > 0, (path.name, shape)
+            assert weights in (None, "int8"), (path.name, shape)
             for entry in entries:
                 assert entry["tflops"] > entry["heuristic_tflops"], (path.name, shape, entry)
                 assert tokamax_mosaic.op(entry["config"]).config.block_m == entry["config"]["block_m"]
@@ -261,8 +270,9 @@ def test_every_shipped_tuned_config_is_a_valid_tokamax_config():
 @pytest.mark.gpu
 @needs_hopper
 def test_tuned_configs_of_this_gpu_match_reference():
-    """Every config tuned for this GPU kind, at its shape, on 512 rows routed at random with
-    padding rows: the reference's values, zeros past the groups."""
+    """Every config tuned for this GPU kind, at its shape (with int8 weights where tuned for
+    them), on 512 rows routed at random with padding rows: the reference's values, zeros past
+    the groups."""
     import tokamax
 
     shapes = tokamax_mosaic.tuned_table(jax.devices()[0].device_kind)
@@ -270,15 +280,23 @@ def test_tuned_configs_of_this_gpu_match_reference():
         pytest.skip(f"no tuned configs for {jax.devices()[0].device_kind}")
     rng = np.random.default_rng(0)
     for shape, entries in shapes.items():
-        k, n, groups = map(int, shape.split("x"))
+        k, n, groups, weights = tokamax_mosaic.parse_shape_key(shape)
         sizes = np.bincount(rng.integers(0, groups, size=448), minlength=groups)
         lhs, rhs, group_sizes = inputs(512, k, n, list(sizes), jnp.bfloat16, seed=k + n)
-        want = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        out_dtype = jnp.float32
+        if weights:
+            rhs = qwix.quantize(rhs, jnp.dtype(weights), channelwise_axes=(0, 2))
+            out_dtype = jnp.bfloat16  # the 8-bit kernel writes 16-bit tiles
+        want = reference.grouped_matmul(
+            lhs, qwix.dequantize(rhs) if weights else rhs, group_sizes,
+            preferred_element_type=jnp.float32)
+        tolerance = 2e-2 if weights else 1e-3
         for entry in entries:
             impl = [tokamax_mosaic.op(entry["config"])]
             with tokamax_mosaic._one_pass(jnp.bfloat16):
-                got = jax.jit(lambda a, b, c, impl=impl: tokamax.ragged_dot(
-                    a, b, c, preferred_element_type=jnp.float32, implementation=impl))(
+                got = jax.jit(lambda a, b, c, impl=impl, out_dtype=out_dtype: tokamax.ragged_dot(
+                    a, b, c, preferred_element_type=out_dtype, implementation=impl))(
                     lhs, rhs, group_sizes)
-            np.testing.assert_allclose(np.asarray(got)[:448], np.asarray(want)[:448], rtol=1e-3,
-                                       atol=1e-3, err_msg=f"{shape} {entry['config']}")
+            np.testing.assert_allclose(np.asarray(got, np.float32)[:448],
+                                       np.asarray(want)[:448], rtol=tolerance, atol=tolerance,
+                                       err_msg=f"{shape} {entry['config']}")

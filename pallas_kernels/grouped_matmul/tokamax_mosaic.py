@@ -66,7 +66,20 @@ on an H100 with the H200 image's CUDA, 2026-12-07)."""
 
 TUNED = Path(__file__).parent / "tuned"
 """One JSON table per GPU kind (``device_kind`` lower-cased, spaces as ``_``): per expert shape
-``"{k}x{n}x{groups}"``, the fastest measured config at each tuned row count."""
+(:func:`shape_key`), the fastest measured config at each tuned row count."""
+
+
+def shape_key(k: int, n: int, groups: int, weights: str | None = None) -> str:
+    """A tuned table's key: ``"{k}x{n}x{groups}"`` for 16-bit weights, ``":int8"`` (the 8-bit
+    weights' dtype) appended for tokamax's kernel of 8-bit weights, a kernel of its own."""
+    return f"{k}x{n}x{groups}" + (f":{weights}" if weights else "")
+
+
+def parse_shape_key(key: str) -> tuple[int, int, int, str | None]:
+    """``(k, n, groups, weights)`` of a :func:`shape_key`."""
+    shape, _, weights = key.partition(":")
+    k, n, groups = map(int, shape.split("x"))
+    return k, n, groups, weights or None
 
 
 @functools.cache
@@ -181,11 +194,13 @@ def tuned_table(device_kind: str) -> dict[str, list[dict]]:
     return json.loads(path.read_text())["shapes"] if path.exists() else {}
 
 
-def tuned_config(device_kind: str, rows: int, k: int, n: int, groups: int) -> dict | None:
+def tuned_config(device_kind: str, rows: int, k: int, n: int, groups: int,
+                 weights: str | None = None) -> dict | None:
     """The tuned config (tokamax ``Config`` fields) for ``rows x k`` times ``[groups, k, n]``
-    on this GPU kind: that of the tuned row count nearest ``rows`` (by ratio); None where the
-    shape was not tuned there."""
-    entries = tuned_table(device_kind).get(f"{k}x{n}x{groups}")
+    (``weights``: the 8-bit weights' dtype name, None for 16-bit weights) on this GPU kind:
+    that of the tuned row count nearest ``rows`` (by ratio); None where the shape was not
+    tuned there."""
+    entries = tuned_table(device_kind).get(shape_key(k, n, groups, weights))
     if not entries:
         return None
     return min(entries, key=lambda e: abs(math.log(e["rows"] / max(rows, 1))))["config"]
@@ -201,11 +216,13 @@ def op(config: dict):
 
 
 def _implementation(lhs: Array, rhs: Array | qwix.QArray, platform: str):
-    """The tuned op where this GPU and shape were tuned (plain 16-bit weights), else the name
-    of tokamax's implementation for the platform."""
-    if platform == "gpu" and not isinstance(rhs, qwix.QArray):
+    """The tuned op where this GPU and shape (and 8-bit weight dtype) were tuned, else the
+    name of tokamax's implementation for the platform."""
+    if platform == "gpu":
         groups, k, n = rhs.shape
-        config = tuned_config(jax.devices("gpu")[0].device_kind, lhs.shape[0], k, n, groups)
+        weights = jnp.dtype(rhs.qvalue.dtype).name if isinstance(rhs, qwix.QArray) else None
+        config = tuned_config(jax.devices("gpu")[0].device_kind, lhs.shape[0], k, n, groups,
+                              weights)
         if config is not None:
             return [op(config)]
     return KERNEL[platform]
