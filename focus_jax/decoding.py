@@ -254,14 +254,20 @@ def step(model: Decoder, state: DecodeState,
 
     With a ``data`` axis in ``settings.mesh``, every data shard steps its own slots
     (``shard_map`` over ``data``; the ``model`` axis stays with the partitioner): compaction,
-    buckets and row gathers stay on the shard's devices instead of spanning all slots.
+    buckets and row gathers stay on the shard's devices instead of spanning all slots. An
+    ``expert`` axis is made manual with ``data`` (each device passing in its own experts;
+    :func:`focus_jax.models.moe.run_experts_sharded`): XLA 0.11.2's partitioner fails on a
+    region manual over ``data`` with both ``expert`` and ``model`` left to it (a check failure
+    in spmd_partitioner_util on 8 CPU devices at data=2, expert=2, model=2).
     """
     mesh = settings.mesh
     if mesh is None or mesh.shape["data"] == 1:
         return _step(model, state, settings)
 
     graphdef, params = nnx.split(model)
-    # Specs name the manual axis only: the model axis stays with the partitioner.
+    manual = {"data"} | ({"expert"} if mesh.shape.get("expert", 1) > 1 else set())
+    # Specs name the manual axes only: the model axis stays with the partitioner.
+    param_specs = sharding.manual_param_specs(params, manual)
     state_spec = sharding.state_specs(state, kv_heads=None)
     data = PartitionSpec("data")
     log_spec = StepLog(data, data, data, data, data, PartitionSpec(), PartitionSpec())
@@ -275,8 +281,8 @@ def step(model: Decoder, state: DecodeState,
             log, processed_bucket=jax.lax.pmax(log.processed_bucket, "data"),
             retained_bucket=jax.lax.pmax(log.retained_bucket, "data"))
 
-    return jax.shard_map(shard_step, mesh=mesh, in_specs=(PartitionSpec(), state_spec),
-                         out_specs=(state_spec, log_spec), axis_names={"data"})(params, state)
+    return jax.shard_map(shard_step, mesh=mesh, in_specs=(param_specs, state_spec),
+                         out_specs=(state_spec, log_spec), axis_names=manual)(params, state)
 
 
 def _step(model: Decoder, state: DecodeState,

@@ -68,12 +68,6 @@ def check_divisible(cfg: ModelConfig, mesh: Mesh | Mapping[str, int],
         if cfg.moe.num_experts % expert:
             raise ConfigError(f"num_experts = {cfg.moe.num_experts} does not divide by the "
                               f"mesh's expert axis ({expert})")
-        if data > 1 and expert > 1 and model > 1:
-            # The step's kernels then run in shard_map over expert and model inside one over
-            # data, which XLA 0.11.2's partitioner fails on (a check failure in
-            # spmd_partitioner_util, seen on 8 CPU devices at data=2,expert=2,model=2).
-            raise ConfigError(f"a mesh with data ({data}), expert ({expert}) and model ({model}) "
-                              f"axes all above 1 is not supported yet: use two of them")
     elif expert > 1:
         raise ConfigError(f"the mesh's expert axis ({expert}) needs a mixture-of-experts model; "
                           f"{cfg.model_type} has none")
@@ -90,6 +84,16 @@ def spec_for(axes: tuple[str | None, ...], mesh_axes: tuple[str, ...] = AXES) ->
     replicated)."""
     return PartitionSpec(*(RULES.get(a) if a and RULES.get(a) in mesh_axes else None
                            for a in axes))
+
+
+def manual_param_specs(params: nnx.State, axes: set[str]) -> nnx.State:
+    """A PartitionSpec per parameter naming only the mesh ``axes`` (those a ``shard_map`` makes
+    manual): what each device passes in of it; the other axes stay with the partitioner."""
+    def spec(var: nnx.Variable) -> PartitionSpec:
+        full = spec_for(var.get_metadata().get("out_sharding") or ())
+        return PartitionSpec(*(a if a in axes else None for a in full))
+
+    return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def param_sharding(var: nnx.Variable, mesh: Mesh) -> NamedSharding:

@@ -37,6 +37,14 @@ def split(mesh: Mesh | AbstractMesh | None, axis: str) -> str | None:
     return axis if mesh.shape[axis] > 1 else None
 
 
+def held(mesh: Mesh | AbstractMesh | None, axis: str) -> str | None:
+    """``axis`` where it is already manual where this is traced and larger than one (each
+    device holds its share of what the axis splits), else ``None``."""
+    if mesh is None or axis not in mesh.axis_names or axis in free_axes(mesh):
+        return None
+    return axis if mesh.shape[axis] > 1 else None
+
+
 def check_divides(size: int, mesh: Mesh | AbstractMesh | None, axis: str, what: str) -> None:
     """A clear error when ``axis`` splits ``size`` unevenly."""
     if split(mesh, axis) and size % mesh.shape[axis]:

@@ -58,7 +58,7 @@ def test_tiny_decode_round_with_tpu_kernels_compiles_for_one_v5e_chip_and_a_2x4_
 @needs_libtpu
 def test_a_mixture_of_experts_round_compiles_for_one_v5e_chip_and_an_expert_mesh():
     """LLaDA2-style experts (tokamax's GMM v2 kernel on TPUs) on one chip, and split over an
-    expert axis of 4 with data=2 on a v5e 2x4 slice."""
+    expert axis of 2 with data=2 and model=2 on a v5e 2x4 slice (all three axes at once)."""
     from focus_jax.config import MoEConfig
 
     moe = MoEConfig(num_experts=16, experts_per_token=4, expert_size=64, dense_layers=(0,),
@@ -66,7 +66,7 @@ def test_a_mixture_of_experts_round_compiles_for_one_v5e_chip_and_an_expert_mesh
                     shared_expert_size=64)
     cfg = TINY.replace(model_type="llada2_moe", moe=moe, partial_rotary_factor=0.5)
     reports = []
-    for topology, mesh in (("v5e:1x1", None), ("v5e:2x4", "data=2,expert=4")):
+    for topology, mesh in (("v5e:1x1", None), ("v5e:2x4", "data=2,expert=2,model=2")):
         target = compile_check.make_target(
             cfg, topology, slots=16, positions=64, mesh=mesh, prompt_lengths=(),
             generation=GenerationConfig(mode="focus", kernels="pallas_tpu",
@@ -75,7 +75,7 @@ def test_a_mixture_of_experts_round_compiles_for_one_v5e_chip_and_an_expert_mesh
         assert report.result.compiled, report.result.error
         reports.append(report)
     one, eight = reports
-    # Each chip of the expert mesh holds a quarter of the experts.
+    # Each chip of the mesh holds half the experts at half their width.
     assert eight.result.memory.arguments < one.result.memory.arguments
 
 

@@ -130,21 +130,25 @@ def run_experts_sharded(mesh: Mesh | None, x: Float[Array, "n e"], experts: Int[
                         down: Float[Array, "x f e"] | QArray,
                         valid: Bool[Array, "n"] | None = None) -> Float[Array, "n e"]:
     """:func:`run_experts` with the experts split over ``mesh``'s ``expert`` axis and their
-    width over ``model`` (where those axes are free and larger than one; else the function
-    itself). Every device holds all rows (the token exchange is a sum: each device computes
-    its own experts' pairs, at its share of the width, and the partial outputs are summed over
-    both axes), so no token waits for another device's capacity and none is dropped."""
+    width over ``model`` (where those axes are larger than one; else the function itself).
+    Every device holds all rows (the token exchange is a sum: each device computes its own
+    experts' pairs, at its share of the width, and the partial outputs are summed over both
+    axes), so no token waits for another device's capacity and none is dropped. Where the
+    ``expert`` axis is already manual (the step of a mesh with ``data`` and ``expert`` axes,
+    :func:`focus_jax.decoding.step`), ``gate_up`` and ``down`` are this device's experts."""
     experts_axis = sharding.split(mesh, sharding.EXPERTS)
+    held_axis = sharding.held(mesh, sharding.EXPERTS)
     width_axis = sharding.split(mesh, sharding.HEADS)
-    if experts_axis is None and width_axis is None:
+    if experts_axis is None and held_axis is None and width_axis is None:
         return run_experts(x, experts, weights, gate_up, down, valid)
     sharding.check_divides(gate_up.shape[0], mesh, sharding.EXPERTS, "num_experts")
     sharding.check_divides(gate_up.shape[-1], mesh, sharding.HEADS, "moe_intermediate_size")
-    summed = tuple(a for a in (experts_axis, width_axis) if a is not None)
+    summed = tuple(a for a in (experts_axis, held_axis, width_axis) if a is not None)
 
     def local(x, experts, weights, gate_up, down, valid):
         count = gate_up.shape[0]
-        first = 0 if experts_axis is None else jax.lax.axis_index(experts_axis) * count
+        split_over = experts_axis or held_axis
+        first = 0 if split_over is None else jax.lax.axis_index(split_over) * count
         mine = (experts >= first) & (experts < first + count)
         out = run_experts(x, jnp.where(mine, experts - first, 0), weights, gate_up, down, valid,
                           pairs=mine, out_dtype=jnp.float32)
@@ -152,6 +156,8 @@ def run_experts_sharded(mesh: Mesh | None, x: Float[Array, "n e"], experts: Int[
 
     P = PartitionSpec
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+    if experts_axis is None and width_axis is None:  # the experts held, nothing left to split
+        return local(x, experts, weights, gate_up, down, valid).astype(x.dtype)
     run = sharding.manual(local, mesh, (P(), P(), P(),
                                         weight_partition(gate_up, P(experts_axis, None, None,
                                                                     width_axis)),
