@@ -91,8 +91,9 @@ def tune_case(model: str, projection: str, rows: int, args, emit) -> None:
     sizes = routed_group_sizes(rows, experts, top_k, np.random.default_rng(rows))
     used = int(sizes.sum())
     lhs, rhs, group_sizes = operands(used, k, n, sizes, seed=rows)
-    if args.weights != "bf16":
-        rhs = qwix.quantize(rhs, jnp.dtype(args.weights), channelwise_axes=(0, 2))
+    weights = None if args.weights == "bf16" else args.weights  # as tuned tables name them
+    if weights:
+        rhs = qwix.quantize(rhs, jnp.dtype(weights), channelwise_axes=(0, 2))
     flops = 2 * used * k * n
     configs = [None, *candidates(args.weights)]
     fns = [kernel(c) for c in configs]
@@ -110,7 +111,7 @@ def tune_case(model: str, projection: str, rows: int, args, emit) -> None:
     want = None
     for config, exe in zip(configs, compiled, strict=True):
         row = {"model": model, "projection": projection, "rows": used, "k": k, "n": n,
-               "experts": experts, "weights": args.weights, "config": config}
+               "experts": experts, "weights": weights, "config": config}
         if isinstance(exe, Exception):
             row["failed"] = str(exe).strip().splitlines()[0][:200]
         else:
@@ -131,8 +132,7 @@ def table(rows: list[dict]) -> dict:
     cases = {}
     for row in rows:
         if "tflops" in row and row.get("max_abs_diff_to_heuristic", 1.0) < 0.05:
-            weights = None if row.get("weights", "bf16") == "bf16" else row["weights"]
-            key = tokamax_mosaic.shape_key(row["k"], row["n"], row["experts"], weights)
+            key = tokamax_mosaic.shape_key(row["k"], row["n"], row["experts"], row.get("weights"))
             cases.setdefault((key, row["rows"]), []).append(row)
     out = {}
     for (key, used), found in sorted(cases.items()):

@@ -84,20 +84,19 @@ def compare_experts() -> list[dict[str, object]]:
         single_int8 = [r.token_ids for r in generate(int8, prompts, config)]
         # The step's region is manual over data and expert where both split; model is left to
         # the partitioner (with the experts' width in a shard_map of its own) or absent.
-        for data, expert, parallel in ((2, 4, 1), (1, 4, 2), (2, 2, 2)):
-            for weights, want in ((model, single), (int8, single_int8)):
-                if weights is int8 and (data, expert, parallel) != (2, 2, 2):
-                    continue
-                engine = Engine(weights, config, slots=8, cache_len=32,
-                                mesh=make_mesh(data, parallel, expert=expert))
-                ids = [engine.add_request(p) for p in prompts]
-                results = run_to_completion(engine)
-                gate_up = engine.model.params["moe"]["gate_up_proj"]
-                gate_up = (gate_up["qvalue"] if weights is int8 else gate_up)[...]
-                rows.append({"mode": mode, "mesh": [data, expert, parallel],
-                             "weights": "int8" if weights is int8 else "float32",
-                             "equal": [results[i].token_ids for i in ids] == want,
-                             "gate_up_shard_shape": list(gate_up.addressable_shards[0].data.shape)})
+        runs = [((2, 4, 1), model, single), ((1, 4, 2), model, single),
+                ((2, 2, 2), model, single), ((2, 2, 2), int8, single_int8)]
+        for (data, expert, parallel), weights, want in runs:
+            engine = Engine(weights, config, slots=8, cache_len=32,
+                            mesh=make_mesh(data, parallel, expert=expert))
+            ids = [engine.add_request(p) for p in prompts]
+            results = run_to_completion(engine)
+            gate_up = engine.model.params["moe"]["gate_up_proj"]
+            gate_up = (gate_up["qvalue"] if weights is int8 else gate_up)[...]
+            rows.append({"mode": mode, "mesh": [data, expert, parallel],
+                         "weights": "int8" if weights is int8 else "float32",
+                         "equal": [results[i].token_ids for i in ids] == want,
+                         "gate_up_shard_shape": list(gate_up.addressable_shards[0].data.shape)})
     return rows
 
 
